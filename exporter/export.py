@@ -1,0 +1,160 @@
+"""timm model (+ local checkpoint) -> one self-contained adaptable ``.onnx`` file."""
+
+from __future__ import annotations
+
+import ast
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import onnx
+import timm
+import torch
+
+from eva0_edge.runtime.config import recommended_for_family
+from eva0_edge.runtime.metadata import ModelMetadata, Preprocessing, Segment
+from eva0_edge.runtime.modelfile import save_onnx, set_metadata
+
+from .adaptable import AdaptableModel
+from .families import Family, family_for, parse_range
+
+DEFAULT_OPSET = 18
+
+
+def parse_model_kwargs(items: Sequence[str]) -> dict[str, Any]:
+    """Parse ``["img_size=32", "layers=[1,1,1,1]", "norm_layer=groupnorm"]`` into kwargs."""
+    kwargs: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"bad --set {item!r}: use KEY=VALUE, e.g. img_size=32")
+        try:
+            kwargs[key.strip()] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kwargs[key.strip()] = value
+    return kwargs
+
+
+def create_source_model(
+    arch: str, checkpoint: str | os.PathLike | None = None, **model_kwargs: Any
+) -> torch.nn.Module:
+    """Build a timm model in eval mode from a local checkpoint, or randomly initialised."""
+    if checkpoint is not None and not Path(checkpoint).is_file():
+        raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
+    try:
+        model = timm.create_model(
+            arch,
+            pretrained=False,
+            checkpoint_path=str(checkpoint) if checkpoint else None,
+            **model_kwargs,
+        )
+    except RuntimeError as err:
+        if "is not a known model" in str(err) or "Unknown model" in str(err):
+            raise ValueError(f"unknown timm architecture {arch!r}") from err
+        raise
+    return model.eval()
+
+
+def build_adaptable(
+    model: torch.nn.Module, adapt: str | None = None
+) -> tuple[AdaptableModel, Family, torch.Tensor]:
+    """Split ``model`` (modified in place) into an AdaptableModel; also return theta0 [P]."""
+    family_cls = family_for(model)
+    spec = adapt or family_cls.default_adapt(model)
+    indices = parse_range(spec, family_cls.num_units(model), "blocks/stages")
+    source_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    family = family_cls(model, indices)
+    family.install()
+    return AdaptableModel(family).eval(), family, family.theta0(source_state)
+
+
+def _preprocessing(
+    model: torch.nn.Module, input_size: Sequence[int] | None
+) -> Preprocessing:
+    """timm's data config, with the input size the model was actually built for."""
+    cfg = timm.data.resolve_data_config({}, model=model)
+    if input_size is None:
+        channels = model.get_submodule(model.pretrained_cfg["first_conv"]).in_channels
+        patch_embed = getattr(model, "patch_embed", None)
+        spatial = patch_embed.img_size if patch_embed is not None else cfg["input_size"][1:]
+        input_size = (channels, *spatial)
+    return Preprocessing(
+        input_size=tuple(int(v) for v in input_size),
+        mean=tuple(float(v) for v in cfg["mean"]),
+        std=tuple(float(v) for v in cfg["std"]),
+        interpolation=str(cfg.get("interpolation", "bilinear")),
+        crop_pct=float(cfg.get("crop_pct", 1.0)),
+        crop_mode=str(cfg.get("crop_mode", "center")),
+    )
+
+
+def export_model(
+    arch: str,
+    output: str | os.PathLike,
+    *,
+    checkpoint: str | os.PathLike | None = None,
+    adapt: str | None = None,
+    model_kwargs: dict[str, Any] | None = None,
+    labels: Sequence[str] | None = None,
+    input_size: Sequence[int] | None = None,
+    opset: int = DEFAULT_OPSET,
+) -> ModelMetadata:
+    """Export ``arch`` to an adaptable ONNX model at ``output``; return its metadata.
+
+    The graph takes ``pixel_values`` [N, C, H, W] and ``theta`` [R, P] (R a multiple of N,
+    both dynamic) and returns ``logits`` [R, K] and ``features`` [R, F]. ``input_size`` is
+    (C, H, W); by default the size the model was built for (ViT) or timm's default (CNNs).
+    """
+    model = create_source_model(arch, checkpoint, **(model_kwargs or {}))
+    preprocessing = _preprocessing(model, input_size)
+    wrapper, family, theta0 = build_adaptable(model, adapt)
+    num_classes = model.num_classes
+    if labels is not None and len(labels) != num_classes:
+        raise ValueError(f"{len(labels)} labels given for a model with {num_classes} classes")
+
+    pixel_values = torch.randn(2, *preprocessing.input_size)
+    theta = theta0.unsqueeze(0).repeat(4, 1)
+    tap_widths = wrapper.tap_widths(pixel_values, theta0.unsqueeze(0).repeat(2, 1))
+    onnx_model = _to_onnx(wrapper, pixel_values, theta, opset)
+
+    feature_layout, offset = [], 0
+    for name, width in zip(family.feature_names(), tap_widths, strict=True):
+        feature_layout.append(Segment(name, offset, width, (width,)))
+        offset += width
+    metadata = ModelMetadata(
+        architecture=arch,
+        family=family.name,
+        labels=list(labels) if labels is not None else [f"class_{i}" for i in range(num_classes)],
+        preprocessing=preprocessing,
+        theta_layout=[Segment(s.name, s.offset, s.size, s.shape) for s in family.slots],
+        feature_layout=feature_layout,
+        adapt=",".join(str(i) for i in family.adapt),
+        prefix=family.prefix_description(),
+        recommended=recommended_for_family(family.name),
+        arrays={"theta0": theta0.numpy()},
+    )
+    save_onnx(set_metadata(onnx_model, metadata), output)
+    return metadata
+
+
+def _to_onnx(
+    wrapper: AdaptableModel, pixel_values: torch.Tensor, theta: torch.Tensor, opset: int
+) -> onnx.ModelProto:
+    batch = torch.export.Dim("batch", min=1)
+    rows = torch.export.Dim("rows", min=1)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            wrapper,
+            (pixel_values, theta),
+            input_names=["pixel_values", "theta"],
+            output_names=["logits", "features"],
+            dynamic_shapes={"pixel_values": {0: batch}, "theta": {0: rows}},
+            opset_version=opset,
+            dynamo=True,
+            optimize=True,
+            verbose=False,
+        )
+    return program.model_proto

@@ -1,0 +1,1 @@
+"""The device runtime: ONNX Runtime + NumPy. Never imports torch."""

@@ -1,0 +1,40 @@
+"""Human-readable summary of an adaptable model's metadata (``eva0-edge info``)."""
+
+from __future__ import annotations
+
+from .metadata import ModelMetadata, Segment
+
+
+def _segments(segments: list[Segment], limit: int) -> list[str]:
+    rows = [f"    {s.name:<40} offset {s.offset:>8}  size {s.size:>7}" for s in segments]
+    if len(rows) > limit:
+        rows = rows[: limit // 2] + [f"    ... {len(rows) - limit} more ..."] + rows[-limit // 2 :]
+    return rows
+
+
+def describe(metadata: ModelMetadata, *, full: bool = False) -> str:
+    """A multi-line report of ``metadata``; ``full`` lists every theta segment."""
+    pre = metadata.preprocessing
+    labels = metadata.labels
+    shown = ", ".join(labels[:10]) + (f", ... ({len(labels)} in all)" if len(labels) > 10 else "")
+    quant = metadata.quantization or {}
+    lines = [
+        f"architecture     {metadata.architecture} (family {metadata.family})",
+        f"classes          {metadata.num_classes}: {shown}",
+        f"input            pixel_values [N, {', '.join(map(str, pre.input_size))}] float32",
+        f"preprocessing    resize {pre.interpolation}, crop {pre.crop_mode} {pre.crop_pct:g}, "
+        f"mean {list(pre.mean)}, std {list(pre.std)}",
+        f"adapted          {metadata.adapt} -> theta [R, {metadata.num_params}] "
+        f"({len(metadata.theta_layout)} tensors)",
+        f"shared prefix    {metadata.prefix} (runs once per image)",
+        f"features         [R, {metadata.num_features}] from {len(metadata.feature_layout)} taps",
+        f"source stats     {'yes' if metadata.has_source_stats else 'no (lambda = 0 only)'}",
+        f"quantization     {quant.get('scheme', 'none (float32)')}",
+        f"recommended      {metadata.recommended or '-'}",
+        f"format version   {metadata.format_version}",
+        "theta layout:",
+        *_segments(metadata.theta_layout, 10**9 if full else 12),
+        "feature layout:",
+        *_segments(metadata.feature_layout, 10**9 if full else 12),
+    ]
+    return "\n".join(lines)

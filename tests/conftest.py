@@ -1,0 +1,62 @@
+"""Shared fixtures: small exported models (built once per test session)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SMALL_VIT = (
+    "vit_tiny_patch16_224",
+    {"img_size": 32, "patch_size": 4, "embed_dim": 64, "depth": 6, "num_heads": 2,
+     "num_classes": 10},
+)
+SMALL_RESNET_GN = (
+    "resnet18",
+    {"norm_layer": "groupnorm", "layers": [1, 1, 1, 1], "num_classes": 10},
+)
+
+
+@dataclass
+class ExportedModel:
+    """An exported adaptable model and the checkpoint it came from."""
+
+    arch: str
+    kwargs: dict
+    checkpoint: Path
+    onnx_path: Path
+    input_size: tuple[int, int, int]
+
+
+def export_small(tmp_dir: Path, arch: str, kwargs: dict, seed: int = 0, **export_kw):
+    import timm
+    import torch
+
+    from eva0_edge.exporter import export_model
+
+    torch.manual_seed(seed)
+    model = timm.create_model(arch, **kwargs).eval()
+    checkpoint = tmp_dir / f"{arch}.pth"
+    torch.save(model.state_dict(), checkpoint)
+    onnx_path = tmp_dir / f"{arch}.onnx"
+    metadata = export_model(
+        arch, onnx_path, checkpoint=checkpoint, model_kwargs=kwargs,
+        input_size=(3, 32, 32), **export_kw,
+    )
+    return ExportedModel(arch, kwargs, checkpoint, onnx_path, metadata.preprocessing.input_size)
+
+
+@pytest.fixture(scope="session")
+def small_vit(tmp_path_factory) -> ExportedModel:
+    return export_small(tmp_path_factory.mktemp("vit"), *SMALL_VIT)
+
+
+@pytest.fixture(scope="session")
+def small_resnet_gn(tmp_path_factory) -> ExportedModel:
+    return export_small(tmp_path_factory.mktemp("rgn"), *SMALL_RESNET_GN)
+
+
+@pytest.fixture(scope="session", params=["vit", "resnet_gn"])
+def small_model(request, small_vit, small_resnet_gn) -> ExportedModel:
+    return small_vit if request.param == "vit" else small_resnet_gn

@@ -1,0 +1,56 @@
+"""The device runtime must import and run with torch absent."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+BLOCK_TORCH = textwrap.dedent(
+    """
+    import sys
+    class _NoTorch:
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch" or name.startswith("torch."):
+                raise ImportError("torch is not available on the device")
+            return None
+    sys.meta_path.insert(0, _NoTorch())
+    """
+)
+
+
+def run_without_torch(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", BLOCK_TORCH + textwrap.dedent(code)],
+        capture_output=True, text=True, timeout=300,
+    )
+
+
+def test_runtime_imports_without_torch():
+    result = run_without_torch(
+        """
+        import importlib, pkgutil
+        import eva0_edge.runtime as runtime
+        for info in pkgutil.iter_modules(runtime.__path__):
+            importlib.import_module(f"eva0_edge.runtime.{info.name}")
+        assert "torch" not in sys.modules
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            print("blocked")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert "blocked" in result.stdout
+
+
+def test_info_runs_without_torch(small_vit):
+    result = run_without_torch(
+        f"""
+        from eva0_edge.runtime.cli import main
+        assert main(["info", {str(small_vit.onnx_path)!r}]) == 0
+        assert "torch" not in sys.modules
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert "family vit" in result.stdout
