@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import os
 import warnings
 from collections.abc import Sequence
@@ -21,20 +20,6 @@ from .adaptable import AdaptableModel
 from .families import Family, family_for, parse_range
 
 DEFAULT_OPSET = 18
-
-
-def parse_model_kwargs(items: Sequence[str]) -> dict[str, Any]:
-    """Parse ``["img_size=32", "layers=[1,1,1,1]", "norm_layer=groupnorm"]`` into kwargs."""
-    kwargs: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"bad --set {item!r}: use KEY=VALUE, e.g. img_size=32")
-        try:
-            kwargs[key.strip()] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            kwargs[key.strip()] = value
-    return kwargs
 
 
 def create_source_model(

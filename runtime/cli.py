@@ -11,14 +11,17 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from .config import parse_key_values
 from .metadata import ModelFormatError
+from .session import InputError
+from .state import StateError
 
 log = logging.getLogger("eva0_edge")
 
 
 def _cmd_export(args: argparse.Namespace) -> None:
     try:
-        from eva0_edge.exporter import export_model, parse_model_kwargs
+        from eva0_edge.exporter import export_model
     except ImportError as err:
         raise SystemExit(
             "export needs the [export] extra (torch, timm): "
@@ -34,7 +37,7 @@ def _cmd_export(args: argparse.Namespace) -> None:
         args.output,
         checkpoint=args.checkpoint,
         adapt=args.adapt,
-        model_kwargs=parse_model_kwargs(args.set or []),
+        model_kwargs=parse_key_values(args.set or []),
         labels=labels,
         input_size=input_size,
         opset=args.opset,
@@ -50,6 +53,82 @@ def _cmd_info(args: argparse.Namespace) -> None:
     from .modelfile import read_metadata
 
     print(describe(read_metadata(args.model), full=args.full))
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> None:
+    from .calibrate import feature_statistics, write_source_stats
+    from .data import open_input
+    from .modelfile import read_metadata
+    from .session import AdaptableSession
+
+    metadata = read_metadata(args.model)
+    session = AdaptableSession(args.model, metadata, args.provider)
+    stream = open_input(args.data, metadata.preprocessing)
+    mean, std = feature_statistics(session, stream, args.batch_size, progress=not args.quiet)
+    write_source_stats(args.model, args.output, mean, std)
+    print(f"wrote {args.output}: source statistics of {metadata.num_features} features "
+          f"from {len(stream)} images")
+
+
+def _cmd_adapt(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from .data import open_input
+    from .engine import AdaptiveModel
+    from .predictions import PredictionWriter
+
+    model = AdaptiveModel.load(
+        args.model, args.method, parse_key_values(args.set or []), args.seed, args.provider
+    )
+    if args.state and Path(args.state).is_file():
+        model.load_state(args.state)
+        log.info("resumed from %s at step %d", args.state, model.state.step)
+    stream = open_input(args.input, model.metadata.preprocessing)
+    correct = seen = 0
+    with PredictionWriter(args.output, model.metadata.labels, args.logits) as writer:
+        progress = tqdm(
+            stream.batches(args.batch_size),
+            total=-(-len(stream) // args.batch_size),
+            desc=args.method,
+            disable=args.quiet,
+        )
+        for names, x, labels in progress:
+            logits = model.step(x)
+            writer.write(names, logits, labels)
+            if labels is not None:
+                correct += int((logits.argmax(axis=1) == labels).sum())
+                seen += len(labels)
+                progress.set_postfix(acc=f"{100.0 * correct / seen:.2f}")
+    if args.state:
+        model.save_state(args.state)
+    stats = model.stats()
+    summary = (
+        f"{args.method}: {stats['samples']} samples, {stats['steps']} steps "
+        f"({stats['skipped_steps']} skipped), {stats['forwards_per_sample']:.2f} forwards/sample, "
+        f"drift {stats['drift']:.4g}"
+    )
+    if seen:
+        summary += f", accuracy {100.0 * correct / seen:.2f}%"
+    print(summary + f" -> {args.output}")
+
+
+def _add_runtime_options(p: argparse.ArgumentParser, *, method: bool = True) -> None:
+    """Options that mean the same in every subcommand."""
+    if method:
+        from .engine import METHODS
+
+        p.add_argument("--method", default="eva0", choices=sorted(METHODS), help="default eva0")
+        p.add_argument("--seed", type=int, default=0, help="perturbation seed (default 0)")
+        p.add_argument("--state", help="state file: resumed from if it exists, saved at the end")
+        p.add_argument(
+            "--set", action="append", metavar="KEY=VALUE",
+            help="hyper-parameter override, repeatable: --set eta=0.001 --set lambda_swa=0",
+        )
+    p.add_argument("--batch-size", type=int, default=64, help="default 64")
+    p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,6 +163,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="adaptable .onnx file")
     p.add_argument("--full", action="store_true", help="list every theta segment")
     p.set_defaults(func=_cmd_info)
+
+    p = sub.add_parser("calibrate", help="add source feature statistics from clean images")
+    p.add_argument("--model", required=True, help="adaptable .onnx file")
+    p.add_argument("--data", required=True, help="clean images: folder, .npy or .npz")
+    p.add_argument("-o", "--output", required=True, help="output .onnx (may equal --model)")
+    _add_runtime_options(p, method=False)
+    p.set_defaults(func=_cmd_calibrate)
+
+    p = sub.add_parser("adapt", help="predict and adapt over an offline stream")
+    p.add_argument("--model", required=True, help="adaptable .onnx file")
+    p.add_argument("--input", required=True, help="folder of images, .npy or .npz (the stream)")
+    p.add_argument("--output", required=True, help="predictions .jsonl or .csv")
+    p.add_argument("--logits", action="store_true", help="also write the logits")
+    _add_runtime_options(p)
+    p.set_defaults(func=_cmd_adapt)
     return parser
 
 
@@ -96,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         args.func(args)
-    except (FileNotFoundError, ModelFormatError, ValueError) as err:
+    except (FileNotFoundError, ModelFormatError, InputError, StateError, ValueError) as err:
         print(f"eva0-edge {args.command}: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -6,6 +6,8 @@ overrides. Every EVA-0 component is a switch so the paper's ablations can be rer
 
 from __future__ import annotations
 
+import ast
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -62,3 +64,18 @@ _FAMILY_RECOMMENDED: dict[str, dict[str, Any]] = {
 def recommended_for_family(family: str) -> dict[str, Any]:
     """The paper's per-architecture values (ViT-Base / ResNet50-GN), written at export."""
     return dict(_FAMILY_RECOMMENDED.get(family, {}))
+
+
+def parse_key_values(items: Sequence[str]) -> dict[str, Any]:
+    """Parse ``["eta=0.001", "layers=[1,1,1,1]", "norm_layer=groupnorm"]``: values are Python
+    literals where they parse as one, else strings."""
+    values: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"bad setting {item!r}: use KEY=VALUE, e.g. eta=0.001")
+        try:
+            values[key.strip()] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            values[key.strip()] = value
+    return values

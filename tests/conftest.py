@@ -60,3 +60,31 @@ def small_resnet_gn(tmp_path_factory) -> ExportedModel:
 @pytest.fixture(scope="session", params=["vit", "resnet_gn"])
 def small_model(request, small_vit, small_resnet_gn) -> ExportedModel:
     return small_vit if request.param == "vit" else small_resnet_gn
+
+
+@pytest.fixture(scope="session")
+def calibrated_vit(small_vit, tmp_path_factory):
+    """The small ViT with source statistics from 64 random 'clean' images."""
+    import numpy as np
+
+    from eva0_edge.runtime.calibrate import feature_statistics, write_source_stats
+    from eva0_edge.runtime.data import open_input
+    from eva0_edge.runtime.modelfile import read_metadata
+    from eva0_edge.runtime.session import AdaptableSession
+
+    out = tmp_path_factory.mktemp("cal")
+    rng = np.random.default_rng(0)
+    np.save(out / "clean.npy", rng.integers(0, 256, (64, 32, 32, 3), dtype=np.uint8))
+    metadata = read_metadata(small_vit.onnx_path)
+    session = AdaptableSession(small_vit.onnx_path, metadata, "cpu")
+    stream = open_input(out / "clean.npy", metadata.preprocessing)
+    mean, std = feature_statistics(session, stream, 32, progress=False)
+    write_source_stats(small_vit.onnx_path, out / "calibrated.onnx", mean, std)
+    return out / "calibrated.onnx"
+
+
+def uniform_batch(n: int, seed: int = 0, size=(3, 32, 32)):
+    """Normalised pixels as a [0, 1] image normalised with mean = std = 0.5 gives: [-1, 1]."""
+    import numpy as np
+
+    return np.random.default_rng(seed).uniform(-1, 1, (n, *size)).astype(np.float32)

@@ -1,0 +1,104 @@
+"""Input streams for the CLI: ``.npy`` / ``.npz`` arrays or an image folder, read lazily in
+batches. An image folder is read in sorted relative-path order: that order is the stream."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from .metadata import Preprocessing
+from .preprocess import preprocess_images, preprocess_uint8
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp", ".ppm", ".pgm", ".tif", ".tiff"}
+_ARRAY_KEYS = ("x", "images", "pixel_values", "data")
+_LABEL_KEYS = ("y", "labels", "targets")
+
+
+@dataclass
+class InputStream:
+    """A sequence of samples with names (and labels when the source has them).
+
+    ``batches(n)`` yields (names, pixel_values [B, C, H, W] float32, labels [B] or None).
+    """
+
+    names: list[str]
+    labels: np.ndarray | None
+    _array: np.ndarray | None
+    _files: list[Path] | None
+    pre: Preprocessing
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def batches(
+        self, batch_size: int
+    ) -> Iterator[tuple[list[str], np.ndarray, np.ndarray | None]]:
+        if batch_size < 1:
+            raise ValueError("batch size must be >= 1")
+        for start in range(0, len(self), batch_size):
+            stop = min(start + batch_size, len(self))
+            labels = self.labels[start:stop] if self.labels is not None else None
+            yield self.names[start:stop], self._load(start, stop), labels
+
+    def _load(self, start: int, stop: int) -> np.ndarray:
+        if self._array is not None:
+            chunk = self._array[start:stop]
+            if chunk.dtype == np.uint8:
+                return preprocess_uint8(chunk, self.pre)
+            return np.asarray(chunk, dtype=np.float32)
+        images = []
+        for path in self._files[start:stop]:
+            try:
+                with Image.open(path) as image:
+                    image.load()
+                    images.append(image)
+            except (UnidentifiedImageError, OSError) as err:
+                raise ValueError(f"cannot decode image {path}: {err}") from err
+        return preprocess_images(images, self.pre)
+
+
+def _pick(npz: np.lib.npyio.NpzFile, keys: tuple[str, ...]) -> str | None:
+    return next((k for k in keys if k in npz.files), None)
+
+
+def open_input(path: str | os.PathLike, pre: Preprocessing) -> InputStream:
+    """Open ``path``: a folder of images, a ``.npy`` array, or a ``.npz`` with an image array
+    (key x / images / pixel_values / data, or its only array) and optional labels (y / labels /
+    targets). Arrays are float32 [N, C, H, W] normalised pixels, or uint8 images
+    [N, H, W(, C)] that are preprocessed here."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(
+            (p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()),
+            key=lambda p: p.relative_to(path).as_posix(),
+        )
+        if not files:
+            raise ValueError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) under {path}")
+        names = [p.relative_to(path).as_posix() for p in files]
+        return InputStream(names, None, None, files, pre)
+    if not path.is_file():
+        raise FileNotFoundError(f"input not found: {path}")
+    labels = None
+    if path.suffix == ".npy":
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    elif path.suffix == ".npz":
+        npz = np.load(path, allow_pickle=False)
+        key = _pick(npz, _ARRAY_KEYS) or (npz.files[0] if len(npz.files) == 1 else None)
+        if key is None:
+            raise ValueError(f"{path}: no image array (keys tried: {_ARRAY_KEYS})")
+        array = npz[key]
+        label_key = _pick(npz, _LABEL_KEYS)
+        labels = np.asarray(npz[label_key]).astype(np.int64) if label_key else None
+    else:
+        raise ValueError(f"unsupported input {path}: use a folder, .npy or .npz")
+    if array.dtype != np.uint8 and not np.issubdtype(array.dtype, np.floating):
+        raise ValueError(f"{path}: images must be uint8 or float, got {array.dtype}")
+    if labels is not None and len(labels) != len(array):
+        raise ValueError(f"{path}: {len(labels)} labels for {len(array)} images")
+    names = [str(i) for i in range(len(array))]
+    return InputStream(names, labels, array, None, pre)

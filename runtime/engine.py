@@ -1,0 +1,454 @@
+"""The EVA-0 engine and its forward-only relatives over an adaptable ONNX model (NumPy only).
+
+One step on a batch x [B, C, H, W]:
+
+1. perturbations z_i (sample-wise, or one shared z), k per 64 of them anchor-guided;
+2. one ORT call over 2B rows: [theta + mu z; theta - mu z] (two-sided) or [theta; theta + mu z]
+   (one-sided), the prefix shared inside the graph;
+3. prediction: the mean of the two sides (two-sided) or the clean row (one-sided);
+4. per-side loss E_SR(o) + lambda l_SWA(h), g = (1/B) sum_i (l+_i - l-_i) / (2 mu) z_i;
+5. theta <- (1 - gamma) (theta - eta g) + gamma theta_anchor; EMA of centre and moments.
+
+A non-finite loss, gradient or theta is never written: the step is skipped and counted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import AdaptConfig
+from .losses import sample_wise_alignment, shortcut_resistant_scores, softmax_entropy
+from .metadata import ModelMetadata
+from .modelfile import read_metadata
+from .perturbation import AnchorShare, PerturbationPlan, anchor_direction
+from .session import AdaptableSession
+from .state import (
+    AdaptState,
+    StateError,
+    decode_state,
+    encode_state,
+    read_state_file,
+    write_state_file,
+)
+
+log = logging.getLogger(__name__)
+
+_PLAIN = {"shortcut_resistant": False, "center": False, "anchor_per_64": 0.0, "gamma": 0.0}
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A runtime method: whether it adapts, its forwards per sample, and its config overrides."""
+
+    name: str
+    adapts: bool
+    forwards_per_sample: int
+    overrides: dict[str, Any]
+    description: str
+
+
+METHODS: dict[str, MethodSpec] = {
+    spec.name: spec
+    for spec in (
+        MethodSpec("noadapt", False, 1, {}, "the source model, one forward"),
+        MethodSpec("eva0", True, 2, {}, "EVA-0 (lambda > 0 when the model has source stats)"),
+        MethodSpec("eva0-dagger", True, 2, {"lambda_swa": 0.0}, "EVA-0, fully source-free"),
+        MethodSpec(
+            "zoa",
+            True,
+            2,
+            {**_PLAIN, "two_sided": False, "sample_wise": False},
+            "ZOA-style one-sided SPSA: clean forward predicts, one shared perturbed forward",
+        ),
+        MethodSpec(
+            "spsa2-shared",
+            True,
+            2,
+            {**_PLAIN, "sample_wise": False},
+            "two-sided SPSA with one batch-shared perturbation, plain entropy",
+        ),
+    )
+}
+
+REGENERATE_CHUNK_ROWS = 8
+
+
+def model_fingerprint(metadata: ModelMetadata) -> str:
+    """Identifies the adapted parameter space: architecture, layouts and theta0."""
+    h = hashlib.sha256()
+    h.update(metadata.architecture.encode())
+    h.update(repr([(s.name, s.size) for s in metadata.theta_layout]).encode())
+    h.update(repr([(s.name, s.size) for s in metadata.feature_layout]).encode())
+    h.update(np.ascontiguousarray(metadata.theta0, dtype=np.float32).tobytes())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class GradientEstimate:
+    """One estimator evaluation: prediction [B, K] (logits), grad [P] (float64), coef [B]
+    (the scalar multiplying z_i), h_mean / h_sq [B, F] (features and squares, side-averaged)."""
+
+    prediction: np.ndarray
+    grad: np.ndarray
+    coef: np.ndarray
+    h_mean: np.ndarray
+    h_sq: np.ndarray
+
+
+@dataclass
+class StepStats:
+    """What the last step saw: mean prediction entropy (nats), mean logit norm, skipped."""
+
+    entropy: float = float("nan")
+    logit_norm: float = float("nan")
+    skipped: bool = False
+
+
+class AdaptiveModel:
+    """An adaptable model plus a method and its state.
+
+    >>> model = AdaptiveModel.load("vit.onnx", method="eva0", seed=0)
+    >>> logits = model.step(x)  # predicts and adapts; x: [B, C, H, W] normalised float32
+    """
+
+    def __init__(
+        self,
+        session: AdaptableSession,
+        method: str = "eva0",
+        config: dict[str, Any] | None = None,
+        seed: int = 0,
+    ) -> None:
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; runtime methods: {sorted(METHODS)}")
+        self.session = session
+        self.metadata = session.metadata
+        self.spec = METHODS[method]
+        self.config = self._resolve_config(config or {})
+        self.fingerprint = model_fingerprint(self.metadata)
+        arrays = self.metadata.arrays
+        self._source_stats = (
+            (arrays["source_mean"].astype(np.float64), arrays["source_std"].astype(np.float64))
+            if self.metadata.has_source_stats
+            else None
+        )
+        self.seed = int(seed)
+        self.last = StepStats()
+        self.reset()
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike,
+        method: str = "eva0",
+        config: dict[str, Any] | None = None,
+        seed: int = 0,
+        provider: str = "auto",
+        threads: int | None = None,
+    ) -> AdaptiveModel:
+        """Open an adaptable ``.onnx`` file with ONNX Runtime."""
+        metadata = read_metadata(path)
+        return cls(AdaptableSession(path, metadata, provider, threads), method, config, seed)
+
+    @property
+    def method(self) -> str:
+        return self.spec.name
+
+    def _resolve_config(self, overrides: dict[str, Any]) -> AdaptConfig:
+        config = AdaptConfig().updated(self.metadata.recommended)
+        config = config.updated(self.spec.overrides).updated(overrides)
+        if config.lambda_swa > 0 and not self.metadata.has_source_stats:
+            if self.spec.adapts:
+                log.warning(
+                    "%s: model has no source statistics; lambda_swa set to 0 (source-free). "
+                    "Run `eva0-edge calibrate` to add them.",
+                    self.method,
+                )
+            config = config.updated({"lambda_swa": 0.0})
+        if config.mu <= 0 or config.eta < 0 or not 0 <= config.gamma <= 1:
+            raise ValueError("need mu > 0, eta >= 0 and 0 <= gamma <= 1")
+        return config
+
+    # ----------------------------------------------------------------- state
+    def reset(self) -> None:
+        """Back to the source parameters and empty online statistics (same seed)."""
+        md = self.metadata
+        self.state = AdaptState.initial(md.theta0, md.num_classes, md.num_features, self.seed)
+        self._share = AnchorShare(self.config.anchor_per_64)
+        self.last = StepStats()
+
+    def state_dict(self) -> dict[str, Any]:
+        """A deep copy of the state (arrays and scalars)."""
+        return self.state.to_dict()
+
+    def load_state_dict(self, values: dict[str, Any]) -> None:
+        """Replace the state; shapes are checked before anything changes."""
+        state = AdaptState.from_dict(values)
+        self._check_shapes(state)
+        self._install(state)
+
+    def _check_shapes(self, state: AdaptState) -> None:
+        md = self.metadata
+        expected = {
+            "theta": md.num_params, "anchor": md.num_params, "velocity": md.num_params,
+            "center": md.num_classes, "mean": md.num_features, "second_moment": md.num_features,
+        }
+        for name, size in expected.items():
+            if getattr(state, name).shape != (size,):
+                raise StateError(
+                    f"state {name} has shape {getattr(state, name).shape}, model needs ({size},)"
+                )
+
+    def _install(self, state: AdaptState) -> None:
+        self.state = state
+        self.seed = state.seed
+        self._share = AnchorShare(self.config.anchor_per_64)
+        self._share.credit = state.anchor_credit
+
+    def state_bytes(self) -> bytes:
+        """The state as checksummed npz bytes (see :mod:`state`)."""
+        self.state.anchor_credit = self._share.credit
+        return encode_state(self.state, self.fingerprint, {"method": self.method})
+
+    def load_state_bytes(self, data: bytes) -> None:
+        state, _ = decode_state(data, self.fingerprint)
+        self._check_shapes(state)
+        self._install(state)
+
+    def save_state(self, path: str | os.PathLike) -> Path:
+        """Write the state atomically (temp file, fsync, rename)."""
+        return write_state_file(path, self.state_bytes())
+
+    def load_state(self, path: str | os.PathLike) -> None:
+        """Load a state file written by :meth:`save_state` for this model."""
+        state, _ = read_state_file(path, self.fingerprint)
+        self._check_shapes(state)
+        self._install(state)
+
+    # ----------------------------------------------------------------- stats
+    @property
+    def forwards_per_sample(self) -> float:
+        return self.session.counter.per_sample
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and health of the adaptation (JSON-serialisable)."""
+        counter = self.session.counter
+        return {
+            "method": self.method,
+            "steps": self.state.step,
+            "skipped_steps": self.state.skipped,
+            "samples": counter.samples,
+            "forwards": counter.forwards,
+            "forwards_per_sample": counter.per_sample,
+            "drift": float(np.linalg.norm(self.state.theta - self.metadata.theta0)),
+            "mean_entropy": self.last.entropy,
+            "mean_logit_norm": self.last.logit_norm,
+        }
+
+    # ----------------------------------------------------------------- inference
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        """Logits [B, K] under the current theta, one forward per sample, no adaptation."""
+        x = self.session.check_input(x)
+        theta = np.broadcast_to(self.state.theta, (x.shape[0], self.state.theta.size))
+        logits, _ = self.session.run(x, theta)
+        self.session.counter.samples += x.shape[0]
+        self._record(logits)
+        return logits
+
+    def step(self, x: np.ndarray) -> np.ndarray:
+        """Predict and (for adapting methods) adapt on the batch; returns logits [B, K]."""
+        if not self.spec.adapts:
+            return self.predict(x)
+        x = self.session.check_input(x)
+        n_anchor = self._share.take(x.shape[0]) if self.config.sample_wise else 0
+        est = self._estimate(x, self.state.step, n_anchor)
+        self._record(est.prediction)
+        self.state.step += 1
+        if not (np.isfinite(est.coef).all() and np.isfinite(est.grad).all()):
+            return self._skip(est.prediction, "non-finite loss or gradient")
+        if not self._update(est):
+            return self._skip(est.prediction, "non-finite theta")
+        return est.prediction
+
+    def estimate(self, x: np.ndarray, step_index: int | None = None) -> GradientEstimate:
+        """The method's zeroth-order gradient estimate on ``x`` at the current theta, from the
+        perturbation stream of ``step_index`` (default: the next step), with no anchor-guided
+        rows and no change to the state. One ORT call over 2B rows."""
+        x = self.session.check_input(x)
+        index = self.state.step if step_index is None else int(step_index)
+        return self._estimate(x, index, 0)
+
+    def _estimate(self, x: np.ndarray, step_index: int, n_anchor: int) -> GradientEstimate:
+        cfg, st = self.config, self.state
+        batch = x.shape[0]
+        d_bar = (
+            anchor_direction(st.theta, st.anchor, cfg.delta)
+            if n_anchor
+            else np.zeros_like(st.theta)
+        )
+        plan = PerturbationPlan.create(
+            self.seed, step_index, batch if cfg.sample_wise else 1, n_anchor, d_bar
+        )
+        rows, z_all = self._perturbed_rows(plan, batch)
+        logits, features = self.session.run(x, rows)
+        self.session.counter.samples += batch
+        first, second = logits[:batch], logits[batch:]
+        h_first = features[:batch].astype(np.float64)
+        h_second = features[batch:].astype(np.float64)
+        if cfg.two_sided:
+            prediction = 0.5 * (first + second)
+            h_mean = 0.5 * (h_first + h_second)
+            h_sq = 0.5 * (h_first**2 + h_second**2)
+        else:
+            prediction = first
+            h_mean, h_sq = h_first, h_first**2
+        if st.moments_ready:
+            moments = (st.mean, st.second_moment)
+        else:  # before the first step the target moments come from the batch itself
+            moments = (h_mean.mean(axis=0), h_sq.mean(axis=0))
+        reference = prediction.astype(np.float64)
+        loss_first = self._loss(first, h_first, reference, moments)
+        loss_second = self._loss(second, h_second, reference, moments)
+        # coefficient of z_i: two-sided (l+ - l-)/(2 mu); one-sided (l_pert - l_clean)/mu
+        if cfg.two_sided:
+            coef = (loss_first - loss_second) / (2.0 * cfg.mu)
+        else:
+            coef = (loss_second - loss_first) / cfg.mu
+        grad = self._gradient(plan, coef, z_all)
+        return GradientEstimate(prediction, grad, coef, h_mean, h_sq)
+
+    # ----------------------------------------------------------------- internals
+    def _perturbed_rows(
+        self, plan: PerturbationPlan, batch: int
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The [2B, P] theta input; also Z [rows, P] unless it is regenerated later."""
+        cfg, theta = self.config, self.state.theta
+        rows = np.empty((2 * batch, theta.size), dtype=np.float32)
+        chunk = REGENERATE_CHUNK_ROWS if cfg.regenerate_z else plan.rows
+        kept = []
+        for sl, z in plan.chunks(chunk):
+            step = cfg.mu * z
+            if not cfg.sample_wise:  # one z for the whole batch
+                sl = slice(0, batch)
+            if cfg.two_sided:
+                rows[sl] = theta + step
+                rows[batch + sl.start : batch + sl.stop] = theta - step
+            else:
+                rows[sl] = theta
+                rows[batch + sl.start : batch + sl.stop] = theta + step
+            if not cfg.regenerate_z:
+                kept.append(z)
+        return rows, (np.concatenate(kept) if kept else None)
+
+    def _gradient(
+        self, plan: PerturbationPlan, coef: np.ndarray, z_all: np.ndarray | None
+    ) -> np.ndarray:
+        """g = (1/B) sum_i coef_i z_i ([P] float64); Z regenerated chunk by chunk if asked."""
+        batch = coef.shape[0]
+        if not self.config.sample_wise:
+            z = z_all if z_all is not None else plan.draw()
+            return coef.mean() * z[0].astype(np.float64)
+        if z_all is not None:
+            return (coef @ z_all.astype(np.float64)) / batch
+        grad = np.zeros(plan.d_bar.size, dtype=np.float64)
+        for sl, z in plan.chunks(REGENERATE_CHUNK_ROWS):
+            grad += coef[sl] @ z.astype(np.float64)
+        return grad / batch
+
+    def _loss(
+        self,
+        logits: np.ndarray,
+        features: np.ndarray,
+        reference: np.ndarray,
+        moments: tuple[np.ndarray, np.ndarray],
+    ) -> np.ndarray:
+        """Per-sample objective [B] of one side; ``moments`` = target (mean, E[h^2]) [F]."""
+        cfg = self.config
+        ref_norm = np.linalg.norm(reference, axis=1) if cfg.shortcut_resistant else None
+        center = self.state.center if cfg.center else None
+        scores = shortcut_resistant_scores(logits.astype(np.float64), ref_norm, center, cfg.eps)
+        loss = softmax_entropy(scores)
+        if cfg.lambda_swa > 0:
+            source_mean, source_std = self._source_stats
+            loss = loss + cfg.lambda_swa * sample_wise_alignment(
+                features, *moments, source_mean, source_std, cfg.rho, cfg.eps
+            )
+        return loss
+
+    def _update(self, est: GradientEstimate) -> bool:
+        """Apply the SGD step, balancing, relaxation and EMAs; False (nothing written) if the
+        new theta is not finite."""
+        cfg, st = self.config, self.state
+        grad, prediction, h_mean, h_sq = est.grad, est.prediction, est.h_mean, est.h_sq
+        theta = st.theta.astype(np.float64)
+        anchor = st.anchor.astype(np.float64)
+        velocity = cfg.momentum * st.velocity + grad if cfg.momentum else grad
+        delta = -cfg.eta * velocity
+        balance_in, balance_out = st.balance_in, st.balance_out
+        if cfg.balance_beta is not None:
+            delta, balance_in, balance_out = _balance(
+                delta, anchor - theta, balance_in, balance_out, cfg.balance_beta, cfg.eps
+            )
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is caught just below
+            new_theta = (1.0 - cfg.gamma) * (theta + delta) + cfg.gamma * anchor
+            new_theta = new_theta.astype(np.float32)
+        if not np.isfinite(new_theta).all():  # checked in float32, the dtype that is stored
+            return False
+        st.theta = new_theta
+        st.velocity = np.asarray(velocity, dtype=np.float32)
+        st.balance_in, st.balance_out = balance_in, balance_out
+        if cfg.moving_anchor is not None:
+            m_a = cfg.moving_anchor
+            st.anchor = (m_a * new_theta.astype(np.float64) + (1.0 - m_a) * anchor).astype(
+                np.float32
+            )
+        batch_center = prediction.astype(np.float64).mean(axis=0)
+        batch_mean, batch_sq = h_mean.mean(axis=0), h_sq.mean(axis=0)
+        if st.moments_ready:
+            a = cfg.alpha
+            st.center = a * st.center + (1.0 - a) * batch_center
+            st.mean = a * st.mean + (1.0 - a) * batch_mean
+            st.second_moment = a * st.second_moment + (1.0 - a) * batch_sq
+        else:
+            st.center, st.mean, st.second_moment = batch_center, batch_mean, batch_sq
+            st.moments_ready = True
+        return True
+
+    def _record(self, prediction: np.ndarray) -> None:
+        p = prediction.astype(np.float64)
+        self.last = StepStats(
+            entropy=float(softmax_entropy(p).mean()),
+            logit_norm=float(np.linalg.norm(p, axis=1).mean()),
+        )
+
+    def _skip(self, prediction: np.ndarray, why: str) -> np.ndarray:
+        self.state.skipped += 1
+        self.last.skipped = True
+        log.warning("step %d skipped: %s", self.state.step, why)
+        return prediction
+
+
+def _balance(
+    delta: np.ndarray,
+    to_anchor: np.ndarray,
+    a_in: float,
+    a_out: float,
+    beta: float,
+    eps: float,
+) -> tuple[np.ndarray, float, float]:
+    """Paper appendix: damp the outward anchor-parallel part of the update when recent outward
+    movement dominates inward movement. Returns (delta, a_in, a_out)."""
+    e = to_anchor / (np.linalg.norm(to_anchor) + eps)
+    c = float(delta @ e)
+    a_in = beta * a_in + (1.0 - beta) * max(c, 0.0)
+    a_out = beta * a_out + (1.0 - beta) * max(-c, 0.0)
+    if c < 0:
+        scale = min(1.0, a_in / (a_out + eps))
+        delta = delta + (scale - 1.0) * c * e
+    return delta, a_in, a_out

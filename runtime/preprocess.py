@@ -1,0 +1,78 @@
+"""Raw images -> ``pixel_values`` as the model metadata prescribes (timm's eval transform:
+resize the shorter side to size / crop_pct, centre-crop, scale to [0, 1], normalise)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from PIL import Image
+
+from .metadata import Preprocessing
+
+_RESAMPLE = {
+    "nearest": Image.Resampling.NEAREST,
+    "bilinear": Image.Resampling.BILINEAR,
+    "bicubic": Image.Resampling.BICUBIC,
+    "lanczos": Image.Resampling.LANCZOS,
+}
+
+
+def _normalise(pixels: np.ndarray, pre: Preprocessing) -> np.ndarray:
+    """uint8 [N, H, W, C] -> float32 [N, C, H, W] normalised."""
+    x = pixels.astype(np.float32) / 255.0
+    mean = np.asarray(pre.mean, dtype=np.float32)
+    std = np.asarray(pre.std, dtype=np.float32)
+    return np.ascontiguousarray(((x - mean) / std).transpose(0, 3, 1, 2))
+
+
+def _resize_crop(image: Image.Image, pre: Preprocessing) -> Image.Image:
+    channels, height, width = pre.input_size
+    image = image.convert("L" if channels == 1 else "RGB")
+    if image.size == (width, height):
+        return image
+    scale = math.floor(max(height, width) / pre.crop_pct)
+    w, h = image.size
+    if w <= h:
+        size = (scale, max(1, round(h * scale / w)))
+    else:
+        size = (max(1, round(w * scale / h)), scale)
+    image = image.resize(size, _RESAMPLE.get(pre.interpolation, Image.Resampling.BILINEAR))
+    left = (image.size[0] - width) // 2
+    top = (image.size[1] - height) // 2
+    return image.crop((left, top, left + width, top + height))
+
+
+def preprocess_images(images: list[Image.Image], pre: Preprocessing) -> np.ndarray:
+    """PIL images of any size/mode -> float32 [N, C, H, W]."""
+    arrays = []
+    for image in images:
+        array = np.asarray(_resize_crop(image, pre), dtype=np.uint8)
+        arrays.append(array[..., None] if array.ndim == 2 else array)
+    return _normalise(np.stack(arrays), pre)
+
+
+def preprocess_uint8(pixels: np.ndarray, pre: Preprocessing) -> np.ndarray:
+    """uint8 images [N, H, W, C] or [N, H, W] -> float32 [N, C, H, W].
+
+    Images of the model's size are only normalised; others go through resize and crop.
+    Grey images are repeated to 3 channels when the model expects 3.
+    """
+    if pixels.dtype != np.uint8 or pixels.ndim not in (3, 4):
+        raise ValueError(
+            f"raw images must be uint8 [N, H, W] or [N, H, W, C], got {pixels.dtype} "
+            f"{list(pixels.shape)}"
+        )
+    channels, height, width = pre.input_size
+    if pixels.ndim == 3:
+        pixels = pixels[..., None]
+    if pixels.shape[-1] not in (1, 3):
+        raise ValueError(f"raw images must have 1 or 3 channels, got {pixels.shape[-1]}")
+    if pixels.shape[1:3] == (height, width):
+        if pixels.shape[-1] == 1 and channels == 3:
+            pixels = np.repeat(pixels, 3, axis=-1)
+        if pixels.shape[-1] == channels:
+            return _normalise(pixels, pre)
+    mode = "L" if pixels.shape[-1] == 1 else "RGB"
+    images = [Image.fromarray(p[..., 0] if mode == "L" else p, mode) for p in pixels]
+    return preprocess_images(images, pre)
