@@ -2,10 +2,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-CACHE ?= .cache/eva0-edge
 STAMP := $(VENV)/.eva0-edge-installed
 
-.PHONY: setup demo test test-fast lint
+FMNIST := /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz
+
+.PHONY: setup data demo test test-fast lint
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -14,17 +15,31 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
-demo: setup
-	mkdir -p $(CACHE)
-	$(VENV)/bin/eva0-edge export --arch vit_tiny_patch16_224 --set img_size=32 --set patch_size=4 \
-		--set num_classes=10 -o $(CACHE)/vit_tiny_32.onnx
-	$(VENV)/bin/eva0-edge info $(CACHE)/vit_tiny_32.onnx
+# Fashion-MNIST from Debian (MIT); needs root for apt-get.
+data: $(FMNIST)
 
-test: setup
+$(FMNIST):
+	apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist
+
+# The main job: a short continual stream (15 corruptions, severity 5) on the shipped ViT.
+demo: setup data
+	$(VENV)/bin/eva0-edge eval --model models/vit_fmnist.onnx --protocol continual --severity 5 \
+		--limit 400 --methods noadapt,eva0 --out out/demo
+
+test: setup data
 	$(PY) -m pytest -q -ra
 
-test-fast: setup
+test-fast: setup data
 	$(PY) -m pytest -q -ra -m "not slow"
 
 lint: setup
 	$(VENV)/bin/ruff check .
+
+# The closing-note tables: both shipped models, severity 5, all methods, single + continual.
+TABLE_METHODS := noadapt,eva0,eva0-dagger,zoa,spsa2-shared,tent,sar,deyo
+TABLE_LIMIT ?= 1000
+tables: setup data
+	for m in vit_fmnist resnet_gn_fmnist; do for p in single continual; do \
+		$(VENV)/bin/eva0-edge eval --model models/$$m.onnx --protocol $$p --severity 5 \
+			--methods $(TABLE_METHODS) --limit $(TABLE_LIMIT) --out out/tables/$$m-$$p -q; \
+	done; done

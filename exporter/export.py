@@ -61,7 +61,8 @@ def _preprocessing(
     """timm's data config, with the input size the model was actually built for."""
     cfg = timm.data.resolve_data_config({}, model=model)
     if input_size is None:
-        channels = model.get_submodule(model.pretrained_cfg["first_conv"]).in_channels
+        first_conv = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
+        channels = first_conv.in_channels
         patch_embed = getattr(model, "patch_embed", None)
         spatial = patch_embed.img_size if patch_embed is not None else cfg["input_size"][1:]
         input_size = (channels, *spatial)
@@ -79,11 +80,13 @@ def export_model(
     arch: str,
     output: str | os.PathLike,
     *,
+    model: torch.nn.Module | None = None,
     checkpoint: str | os.PathLike | None = None,
     adapt: str | None = None,
     model_kwargs: dict[str, Any] | None = None,
     labels: Sequence[str] | None = None,
     input_size: Sequence[int] | None = None,
+    preprocessing: Preprocessing | None = None,
     opset: int = DEFAULT_OPSET,
 ) -> ModelMetadata:
     """Export ``arch`` to an adaptable ONNX model at ``output``; return its metadata.
@@ -91,9 +94,13 @@ def export_model(
     The graph takes ``pixel_values`` [N, C, H, W] and ``theta`` [R, P] (R a multiple of N,
     both dynamic) and returns ``logits`` [R, K] and ``features`` [R, F]. ``input_size`` is
     (C, H, W); by default the size the model was built for (ViT) or timm's default (CNNs).
+    ``model`` exports an already built timm model (modified in place) recorded as ``arch``;
+    ``preprocessing`` replaces the one derived from timm's data config.
     """
-    model = create_source_model(arch, checkpoint, **(model_kwargs or {}))
-    preprocessing = _preprocessing(model, input_size)
+    if model is None:
+        model = create_source_model(arch, checkpoint, **(model_kwargs or {}))
+    model = model.eval()
+    preprocessing = preprocessing or _preprocessing(model, input_size)
     wrapper, family, theta0 = build_adaptable(model, adapt)
     num_classes = model.num_classes
     if labels is not None and len(labels) != num_classes:

@@ -114,14 +114,75 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
     print(summary + f" -> {args.output}")
 
 
+def _cmd_eval(args: argparse.Namespace) -> None:
+    try:
+        from eva0_edge.bench.evaluate import EvalSpec, evaluate, markdown_table
+    except ImportError as err:
+        raise SystemExit(
+            f"eval needs the [bench] extra: pip install 'eva0-edge[bench]' ({err})"
+        ) from err
+    spec = EvalSpec(
+        model=args.model,
+        dataset=args.dataset,
+        protocol=args.protocol,
+        severity=args.severity,
+        batch_size=args.batch_size,
+        methods=[m.strip() for m in args.methods.split(",") if m.strip()],
+        seed=args.seed,
+        limit=args.limit,
+        split=args.split,
+        overrides=parse_key_values(args.set or []),
+        torch_checkpoint=args.torch_checkpoint,
+        provider=args.provider,
+        threads=args.threads,
+    )
+    results = evaluate(spec, args.out, progress=not args.quiet)
+    print(markdown_table(results))
+    for name, result in results.items():
+        if result.skipped_steps:
+            print(f"{name}: {result.skipped_steps} adaptation steps skipped (non-finite)")
+    if args.out:
+        print(f"report: {args.out}/results.md, results.json, stream.png")
+
+
+def _cmd_bench(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    try:
+        from eva0_edge.bench.cache import cache_dir
+        from eva0_edge.bench.cost import export_random, markdown, run_bench, write_outputs
+    except ImportError as err:
+        raise SystemExit(
+            f"bench needs the [bench] extra: pip install 'eva0-edge[bench]' ({err})"
+        ) from err
+    if bool(args.model) == bool(args.arch):
+        raise ValueError("give exactly one of --model FILE or --arch TIMM_NAME")
+    torch_spec = {"checkpoint": args.torch_checkpoint}
+    model = args.model
+    if args.arch:
+        model = str(export_random(args.arch, cache_dir() / "bench-models", args.seed))
+        torch_spec = {"arch": args.arch, "seed": args.seed}
+    report = run_bench(
+        model,
+        [int(b) for b in args.batch_sizes.split(",")],
+        [m.strip() for m in args.methods.split(",") if m.strip()],
+        repeats=args.repeats,
+        warmup=args.warmup,
+        threads=args.threads,
+        memory=not args.no_memory,
+        torch_spec=torch_spec,
+        progress=not args.quiet,
+    )
+    print(markdown(report))
+    if args.out:
+        write_outputs(report, Path(args.out))
+        print(f"report: {args.out}/cost.md, cost.json, cost.png")
+
+
 def _add_runtime_options(p: argparse.ArgumentParser, *, method: bool = True) -> None:
     """Options that mean the same in every subcommand."""
     if method:
-        from .engine import METHODS
-
-        p.add_argument("--method", default="eva0", choices=sorted(METHODS), help="default eva0")
         p.add_argument("--seed", type=int, default=0, help="perturbation seed (default 0)")
-        p.add_argument("--state", help="state file: resumed from if it exists, saved at the end")
         p.add_argument(
             "--set", action="append", metavar="KEY=VALUE",
             help="hyper-parameter override, repeatable: --set eta=0.001 --set lambda_swa=0",
@@ -176,8 +237,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help="folder of images, .npy or .npz (the stream)")
     p.add_argument("--output", required=True, help="predictions .jsonl or .csv")
     p.add_argument("--logits", action="store_true", help="also write the logits")
+    from .engine import METHODS
+
+    p.add_argument("--method", default="eva0", choices=sorted(METHODS), help="default eva0")
+    p.add_argument("--state", help="state file: resumed from if it exists, saved at the end")
     _add_runtime_options(p)
     p.set_defaults(func=_cmd_adapt)
+
+    p = sub.add_parser("eval", help="accuracy of methods under a protocol on corrupted data")
+    p.add_argument("--model", required=True, help="adaptable .onnx file")
+    p.add_argument(
+        "--dataset", default="fmnist-c",
+        help="fmnist-c (generated into the cache) or an ImageNet-C-style folder "
+        "corruption/severity/class/image",
+    )
+    p.add_argument("--protocol", default="single", choices=["single", "continual", "imbalanced"])
+    p.add_argument("--severity", type=int, default=5, choices=[1, 2, 3, 4, 5])
+    p.add_argument("--methods", default="noadapt,eva0", help="comma-separated; runtime methods "
+                   "plus the torch baselines tent, sar, deyo")
+    p.add_argument("--limit", type=int, help="images per corruption (a seeded subset)")
+    p.add_argument("--split", default="test", choices=["test", "val"],
+                   help="fmnist-c: test, or val (held-out train images, for tuning)")
+    p.add_argument("--torch-checkpoint", help="torch weights for tent/sar/deyo on a non-shipped "
+                   "model")
+    p.add_argument("--out", help="folder for results.md / results.json / stream.png")
+    p.add_argument("--threads", type=int, help="intra-op threads of ORT and torch")
+    _add_runtime_options(p)
+    p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("bench", help="step cost (time, memory) of methods against NoAdapt")
+    p.add_argument("--model", help="adaptable .onnx file")
+    p.add_argument("--arch", help="timm architecture, exported with random weights (cached)")
+    p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated (default 1,8,32)")
+    p.add_argument("--methods", default="noadapt,eva0,zoa,foa,tent", help="comma-separated")
+    p.add_argument("--repeats", type=int, default=10, help="timed repetitions (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--threads", type=int, help="intra-op threads (default: ORT's / torch's)")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-RSS processes")
+    p.add_argument("--torch-checkpoint", help="torch weights for tent on a non-shipped model")
+    p.add_argument("--seed", type=int, default=0, help="weight seed for --arch (default 0)")
+    p.add_argument("--out", help="folder for cost.md / cost.json / cost.png")
+    p.add_argument("-q", "--quiet", action="store_true", help="no per-batch lines")
+    p.set_defaults(func=_cmd_bench)
     return parser
 
 

@@ -185,6 +185,7 @@ class AdaptiveModel:
 
     def state_dict(self) -> dict[str, Any]:
         """A deep copy of the state (arrays and scalars)."""
+        self.state.anchor_credit = self._share.credit
         return self.state.to_dict()
 
     def load_state_dict(self, values: dict[str, Any]) -> None:

@@ -176,6 +176,7 @@ def test_state_round_trip_gives_identical_next_step(calibrated_vit, tmp_path):
     other = AdaptiveModel.load(calibrated_vit, "eva0", cfg, provider="cpu")
     other.load_state_dict(model.state_dict())
     assert other.state.step == model.state.step
+    assert other._share.credit == model._share.credit > 0
 
 
 def test_corrupt_or_foreign_state_is_refused(calibrated_vit, small_resnet_gn, tmp_path):

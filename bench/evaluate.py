@@ -1,0 +1,147 @@
+"""``eva0-edge eval``: run methods through a protocol on corrupted domains and report the paper's
+table (methods x corruptions + average) as Markdown, JSON and a PNG."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eva0_edge.runtime.engine import METHODS, AdaptiveModel
+from eva0_edge.runtime.modelfile import read_metadata
+
+from .datasets import Domain, fmnist_c_domains, folder_domains
+from .protocols import StreamMethod, StreamResult, run_protocol
+from .report import write_report
+
+BACKPROP = ("tent", "sar", "deyo")
+
+
+@dataclass
+class EvalSpec:
+    """What one ``eval`` run measures."""
+
+    model: str
+    dataset: str
+    protocol: str
+    severity: int
+    batch_size: int
+    methods: list[str]
+    seed: int = 0
+    limit: int | None = None
+    split: str = "test"
+    overrides: dict[str, Any] | None = None
+    torch_checkpoint: str | None = None
+    provider: str = "auto"
+    threads: int | None = None
+
+
+def known_methods() -> list[str]:
+    return sorted(METHODS) + list(BACKPROP)
+
+
+def method_factory(spec: EvalSpec, name: str) -> Callable[[], StreamMethod]:
+    """A constructor of a fresh ``name`` method on the spec's model."""
+    if name in METHODS:
+        return lambda: AdaptiveModel.load(
+            spec.model, name, dict(spec.overrides or {}), spec.seed, spec.provider, spec.threads
+        )
+    if name in BACKPROP:
+        import torch
+
+        from .backprop import BackpropTTA, load_torch_source
+
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        metadata = read_metadata(spec.model)
+        model = load_torch_source(metadata, spec.torch_checkpoint)
+        return lambda: BackpropTTA(name, model, metadata, None, spec.batch_size, spec.seed)
+    raise ValueError(f"unknown method {name!r}; known: {', '.join(known_methods())}")
+
+
+def load_domains(spec: EvalSpec, progress: bool = True) -> list[Domain]:
+    """Fashion-MNIST-C (``fmnist-c``) or an ImageNet-C-style folder; a seeded subset of
+    ``limit`` images of each domain when a limit is set (the same images in every domain)."""
+    rng = np.random.default_rng(spec.seed)
+    if spec.dataset == "fmnist-c":
+        indices = None
+        if spec.limit:
+            size = 10000 if spec.split == "test" else 5000
+            indices = np.sort(rng.choice(size, min(spec.limit, size), replace=False))
+        return fmnist_c_domains(spec.severity, spec.split, indices=indices, progress=progress)
+    domains = folder_domains(spec.dataset, spec.severity)
+    if spec.limit:
+        domains = [
+            d.subset(np.sort(rng.choice(len(d), min(spec.limit, len(d)), replace=False)))
+            for d in domains
+        ]
+    return domains
+
+
+def evaluate(
+    spec: EvalSpec, out_dir: str | os.PathLike | None = None, progress: bool = True
+) -> dict[str, StreamResult]:
+    """Run every method of ``spec``; write the report to ``out_dir`` if given."""
+    unknown = [m for m in spec.methods if m not in known_methods()]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(known_methods())}")
+    if spec.batch_size < 1:
+        raise ValueError("batch size must be >= 1")
+    metadata = read_metadata(spec.model)
+    domains = load_domains(spec, progress)
+    results = {}
+    for name in spec.methods:
+        results[name] = run_protocol(
+            name, method_factory(spec, name), domains, spec.protocol, spec.batch_size,
+            metadata.preprocessing, spec.seed, progress,
+        )
+    if out_dir is not None:
+        write_report(results, spec_dict(spec), Path(out_dir))
+    return results
+
+
+def spec_dict(spec: EvalSpec) -> dict[str, Any]:
+    values = asdict(spec)
+    values["model"] = str(Path(spec.model).name)
+    return values
+
+
+def table_rows(results: dict[str, StreamResult]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the paper's table: method, each domain's accuracy, average."""
+    domains = list(next(iter(results.values())).accuracy)
+    header = ["method", *domains, "avg"]
+    rows = [
+        [name, *(f"{r.accuracy[d]:.1f}" for d in domains), f"{r.average:.1f}"]
+        for name, r in results.items()
+    ]
+    return header, rows
+
+
+def results_json(results: dict[str, StreamResult], spec: dict[str, Any]) -> str:
+    payload = {
+        "spec": spec,
+        "results": {
+            name: {
+                "accuracy": r.accuracy,
+                "average": r.average,
+                "skipped_steps": r.skipped_steps,
+                "forwards_per_sample": r.forwards_per_sample,
+            }
+            for name, r in results.items()
+        },
+    }
+    return json.dumps(payload, indent=2)
+
+
+def markdown_table(results: dict[str, StreamResult]) -> str:
+    header, rows = table_rows(results)
+    short = [h.replace("_noise", "").replace("_blur", "").replace("_transform", "")
+             .replace("_compression", "") for h in header]
+    lines = ["| " + " | ".join(short) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)

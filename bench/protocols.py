@@ -1,0 +1,104 @@
+"""The paper's evaluation protocols over a list of corrupted domains.
+
+* ``single``: each corruption is its own stream; the method is reset before each.
+* ``continual``: the corruptions in sequence as one stream, never reset.
+* ``imbalanced``: SAR's online label shift: each corruption's stream sorted by class (imbalance
+  ratio infinite), reset per corruption.
+
+Streams are a seeded shuffle of each domain (``single`` / ``continual``), as TTA code bases load
+ImageNet-C with ``shuffle=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+from tqdm import tqdm
+
+from eva0_edge.runtime.metadata import Preprocessing
+
+from .datasets import Domain
+
+PROTOCOLS = ("single", "continual", "imbalanced")
+
+
+class StreamMethod(Protocol):
+    def step(self, x: np.ndarray) -> np.ndarray: ...
+
+    def reset(self) -> None: ...
+
+
+@dataclass
+class StreamResult:
+    """Accuracy (%) per domain, and per-batch traces along the whole stream."""
+
+    method: str
+    accuracy: dict[str, float]
+    batch_correct: list[int] = field(default_factory=list)
+    batch_size: list[int] = field(default_factory=list)
+    batch_domain: list[str] = field(default_factory=list)
+    drift: list[float] = field(default_factory=list)
+    logit_norm: list[float] = field(default_factory=list)
+    skipped_steps: int = 0
+    forwards_per_sample: float | None = None
+
+    @property
+    def average(self) -> float:
+        return float(np.mean(list(self.accuracy.values())))
+
+
+def stream_order(domain: Domain, protocol: str, seed: int) -> np.ndarray:
+    """Indices of the domain in stream order for ``protocol``."""
+    rng = np.random.default_rng([seed, len(domain)])
+    order = rng.permutation(len(domain))
+    if protocol == "imbalanced":
+        order = order[np.argsort(domain.labels[order], kind="stable")]
+    return order
+
+
+def run_protocol(
+    name: str,
+    make_method: Callable[[], StreamMethod],
+    domains: Sequence[Domain],
+    protocol: str,
+    batch_size: int,
+    pre: Preprocessing,
+    seed: int = 0,
+    progress: bool = True,
+) -> StreamResult:
+    """Stream every domain through a fresh method (reset as the protocol says)."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown protocol {protocol!r}; use one of {PROTOCOLS}")
+    method = make_method()
+    result = StreamResult(name, {})
+    total = sum(-(-len(d) // batch_size) for d in domains)
+    bar = tqdm(total=total, desc=f"{name} [{protocol}]", disable=not progress, leave=False)
+    for i, domain in enumerate(domains):
+        if i > 0 and protocol != "continual":
+            method.reset()
+        correct = seen = 0
+        stream = domain.subset(stream_order(domain, protocol, seed))
+        for x, y in stream.batches(batch_size, pre):
+            logits = method.step(x)
+            hits = int((logits.argmax(axis=1) == y).sum())
+            correct += hits
+            result.batch_correct.append(hits)
+            result.batch_size.append(len(y))
+            result.batch_domain.append(domain.name)
+            result.logit_norm.append(float(np.linalg.norm(logits, axis=1).mean()))
+            stats = getattr(method, "stats", None)
+            result.drift.append(float(stats()["drift"]) if stats else float("nan"))
+            bar.update(1)
+            seen += len(y)
+            bar.set_postfix(domain=domain.name, acc=f"{100.0 * correct / seen:.1f}")
+        result.accuracy[domain.name] = 100.0 * correct / len(domain)
+    bar.close()
+    stats = getattr(method, "stats", None)
+    if stats:
+        final = stats()
+        result.skipped_steps = int(final["skipped_steps"])
+        result.forwards_per_sample = float(final["forwards_per_sample"])
+    return result

@@ -1,0 +1,68 @@
+"""Evaluation reports: Markdown table, JSON, and a PNG of the stream (running accuracy of every
+method; drift ||theta - theta0|| and mean logit norm of the runtime methods)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eva0_edge.runtime.atomic import atomic_write_bytes
+
+
+def _running_accuracy(result, window: int = 20) -> np.ndarray:
+    correct = np.convolve(result.batch_correct, np.ones(window), mode="valid")
+    count = np.convolve(result.batch_size, np.ones(window), mode="valid")
+    return 100.0 * correct / np.maximum(count, 1)
+
+
+def plot_stream(results: dict, title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    for name, r in results.items():
+        if len(r.batch_correct) == 0:
+            continue
+        window = max(1, min(20, len(r.batch_correct) // 10))
+        acc = _running_accuracy(r, window)
+        axes[0].plot(np.arange(len(acc)) + window - 1, acc, label=name, lw=1)
+        drift = np.asarray(r.drift)
+        if np.isfinite(drift).any():
+            axes[1].plot(drift, label=name, lw=1)
+        axes[2].plot(r.logit_norm, label=name, lw=1)
+    first = next(iter(results.values()))
+    boundaries = [i for i in range(1, len(first.batch_domain))
+                  if first.batch_domain[i] != first.batch_domain[i - 1]]
+    for ax in axes:
+        for b in boundaries:
+            ax.axvline(b, color="grey", lw=0.3)
+    axes[0].set_ylabel("accuracy % (moving)")
+    axes[1].set_ylabel("||theta - theta0||")
+    axes[2].set_ylabel("mean logit norm")
+    axes[2].set_xlabel("batch along the stream (grey lines: domain changes)")
+    axes[0].legend(fontsize=8, ncol=4)
+    axes[0].set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(results: dict, spec: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+    """Write ``results.md``, ``results.json`` and ``stream.png`` into ``out_dir``."""
+    from .evaluate import markdown_table, results_json
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    title = (f"{spec['model']} - {spec['dataset']} severity {spec['severity']}, "
+             f"{spec['protocol']}, batch {spec['batch_size']}")
+    md = f"## {title}\n\n{markdown_table(results)}\n\n```json\n{json.dumps(spec)}\n```\n"
+    paths = {"md": out_dir / "results.md", "json": out_dir / "results.json",
+             "png": out_dir / "stream.png"}
+    atomic_write_bytes(paths["md"], md.encode())
+    atomic_write_bytes(paths["json"], results_json(results, spec).encode())
+    plot_stream(results, title, paths["png"])
+    return paths

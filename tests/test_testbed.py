@@ -1,0 +1,174 @@
+"""The Fashion-MNIST-C testbed: data, corruptions, shipped models, protocols, eval end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from eva0_edge.bench.corruptions import CORRUPTIONS, corrupt_images
+from eva0_edge.bench.datasets import Domain, folder_domains
+from eva0_edge.bench.fashion_mnist import load_fashion_mnist, train_val_indices
+from eva0_edge.bench.protocols import run_protocol, stream_order
+from eva0_edge.runtime.engine import AdaptiveModel
+from eva0_edge.runtime.modelfile import read_metadata
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+SHIPPED = [MODELS / "vit_fmnist.onnx", MODELS / "resnet_gn_fmnist.onnx"]
+
+
+def test_loader_shapes_and_labels():
+    x, y = load_fashion_mnist("test")
+    assert x.shape == (10000, 32, 32, 3) and x.dtype == np.uint8
+    assert np.bincount(y).tolist() == [1000] * 10
+    assert x[:, :2].max() == 0 and x[:, :, -2:].max() == 0  # 2-pixel zero padding
+    np.testing.assert_array_equal(x[..., 0], x[..., 2])  # grey repeated to RGB
+    train, val = train_val_indices()
+    assert len(train) == 55000 and len(val) == 5000 and not set(train) & set(val)
+
+
+def test_bad_split_and_missing_data(tmp_path):
+    with pytest.raises(ValueError, match="split"):
+        load_fashion_mnist("validation")
+    with pytest.raises(FileNotFoundError, match="apt-get install"):
+        load_fashion_mnist("test", root=tmp_path)
+
+
+@pytest.mark.parametrize("name", CORRUPTIONS)
+def test_corruptions_are_deterministic_under_a_seed(name):
+    images, _ = load_fashion_mnist("test")
+    sample = images[:6]
+    first = corrupt_images(sample, name, 5, seed=11)
+    assert first.shape == sample.shape and first.dtype == np.uint8
+    np.testing.assert_array_equal(first, corrupt_images(sample, name, 5, seed=11))
+    # image i depends on (seed, index) only: a chunk starting at index 3 agrees
+    np.testing.assert_array_equal(first[3:], corrupt_images(sample[3:], name, 5, 11, 3))
+    assert not np.array_equal(first, sample)
+
+
+def test_subset_generation_matches_full_split_pixels():
+    images, _ = load_fashion_mnist("test")
+    full = corrupt_images(images[:12], "snow", 4, seed=5)
+    picked = np.array([2, 7, 11])
+    subset = corrupt_images(images[picked], "snow", 4, seed=5, indices=picked)
+    np.testing.assert_array_equal(subset, full[picked])
+
+
+def test_corruption_seed_changes_random_corruptions():
+    images, _ = load_fashion_mnist("test")
+    a = corrupt_images(images[:4], "gaussian_noise", 3, seed=1)
+    b = corrupt_images(images[:4], "gaussian_noise", 3, seed=2)
+    assert not np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("model_path", SHIPPED, ids=lambda p: p.stem)
+def test_shipped_models_are_small_and_calibrated(model_path):
+    metadata = read_metadata(model_path)
+    assert model_path.stat().st_size <= 10 * 2**20
+    assert metadata.has_source_stats
+    assert metadata.labels[0] == "t-shirt/top" and metadata.num_classes == 10
+    assert {"eta", "lambda_swa", "rho"} <= set(metadata.recommended)
+
+
+@pytest.mark.parametrize("model_path", SHIPPED, ids=lambda p: p.stem)
+def test_shipped_model_accuracy_drops_with_severity(model_path):
+    images, labels = load_fashion_mnist("test")
+    rng = np.random.default_rng(0)
+    idx = rng.choice(len(images), 150, replace=False)
+    model = AdaptiveModel.load(model_path, "noadapt", provider="cpu")
+    from eva0_edge.runtime.preprocess import preprocess_uint8
+
+    clean = (model.predict(preprocess_uint8(images[idx], model.metadata.preprocessing))
+             .argmax(1) == labels[idx]).mean()
+    assert clean >= 0.85
+    means = []
+    for severity in (1, 3, 5):
+        accs = []
+        for name in CORRUPTIONS:
+            x = corrupt_images(images[idx], name, severity, seed=3)
+            pred = model.predict(preprocess_uint8(x, model.metadata.preprocessing)).argmax(1)
+            accs.append((pred == labels[idx]).mean())
+        means.append(float(np.mean(accs)))
+    assert clean > means[0] > means[1] > means[2]
+
+
+def test_stream_orders():
+    labels = np.repeat(np.arange(5), 20)
+    domain = Domain("d", 5, labels, images=np.zeros((100, 32, 32, 3), np.uint8))
+    shuffled = stream_order(domain, "single", 0)
+    assert sorted(shuffled.tolist()) == list(range(100))
+    assert np.array_equal(shuffled, stream_order(domain, "continual", 0))
+    sorted_labels = labels[stream_order(domain, "imbalanced", 0)]
+    assert np.all(np.diff(sorted_labels) >= 0)
+
+
+class _Counter:
+    """A fake method that records resets and predicts class 0."""
+
+    def __init__(self):
+        self.resets = 0
+
+    def step(self, x):
+        return np.eye(10)[np.zeros(len(x), dtype=int)]
+
+    def reset(self):
+        self.resets += 1
+
+
+@pytest.mark.parametrize("protocol,resets", [("single", 2), ("continual", 0), ("imbalanced", 2)])
+def test_protocol_resets(protocol, resets):
+    from eva0_edge.runtime.metadata import Preprocessing
+
+    pre = Preprocessing((3, 32, 32), (0.5,) * 3, (0.5,) * 3)
+    labels = np.array([0, 1, 0, 1])
+    domains = [Domain(n, 5, labels, images=np.zeros((4, 32, 32, 3), np.uint8))
+               for n in ("a", "b", "c")]
+    method = _Counter()
+    result = run_protocol("fake", lambda: method, domains, protocol, 3, pre, progress=False)
+    assert method.resets == resets
+    assert result.accuracy == {"a": 50.0, "b": 50.0, "c": 50.0}
+    assert sum(result.batch_size) == 12
+
+
+def test_folder_dataset_tree(tmp_path):
+    from PIL import Image
+
+    for corruption in ("fog", "contrast"):
+        for cls in ("n01", "n02"):
+            folder = tmp_path / corruption / "5" / cls
+            folder.mkdir(parents=True)
+            for i in range(2):
+                Image.new("RGB", (40, 40), (i * 50, 0, 0)).save(folder / f"{i}.png")
+    domains = folder_domains(tmp_path, 5)
+    assert [d.name for d in domains] == ["fog", "contrast"]  # ImageNet-C order
+    assert domains[0].labels.tolist() == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match="no <corruption>/3/"):
+        folder_domains(tmp_path, 3)
+
+
+@pytest.mark.parametrize(
+    "protocol,batch_size,methods",
+    [
+        ("single", 64, "noadapt,eva0,tent"),
+        ("continual", 32, "eva0,zoa,sar"),
+        ("imbalanced", 64, "eva0-dagger,deyo,spsa2-shared"),
+        ("single", 1, "noadapt,eva0"),
+    ],
+)
+def test_eval_end_to_end(tmp_path, protocol, batch_size, methods):
+    from eva0_edge.runtime.cli import main
+
+    out = tmp_path / "report"
+    limit = 8 if batch_size == 1 else 64
+    assert main(["eval", "--model", str(SHIPPED[0]), "--protocol", protocol, "--severity", "5",
+                 "--batch-size", str(batch_size), "--methods", methods, "--limit", str(limit),
+                 "--out", str(out), "-q"]) == 0
+    report = json.loads((out / "results.json").read_text())
+    assert list(report["results"]) == methods.split(",")
+    for result in report["results"].values():
+        assert list(result["accuracy"]) == list(CORRUPTIONS)
+        assert 0 <= result["average"] <= 100
+    assert (out / "stream.png").stat().st_size > 10_000
+    assert "| method |" in (out / "results.md").read_text()
