@@ -21,10 +21,11 @@ data: $(FMNIST)
 $(FMNIST):
 	apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist
 
-# The main job: a short continual stream (15 corruptions, severity 5) on the shipped ViT.
+# The main job: a short continual stream (15 corruptions in a row, severity 5, 1000 test
+# images each) on the shipped ResNet-GN, NoAdapt against EVA-0.
 demo: setup data
-	$(VENV)/bin/eva0-edge eval --model models/vit_fmnist.onnx --protocol continual --severity 5 \
-		--limit 400 --methods noadapt,eva0 --out out/demo
+	$(VENV)/bin/eva0-edge eval --model models/resnet_gn_fmnist.onnx --protocol continual \
+		--severity 5 --limit 1000 --methods noadapt,eva0 --out out/demo
 
 test: setup data
 	$(PY) -m pytest -q -ra

@@ -25,17 +25,27 @@ from eva0_edge.bench.evaluate import EvalSpec, evaluate
 from eva0_edge.runtime.modelfile import load_onnx, read_metadata, save_onnx, set_metadata
 
 
-def grid(family: str) -> list[dict]:
+def grid(
+    family: str,
+    etas: list[float] | None = None,
+    lambdas: list[float] | None = None,
+    rhos: list[float] | None = None,
+) -> list[dict]:
+    """The configurations to score; defaults span the paper's values."""
     paper_lambda = 500.0 if family == "vit" else 50.0
-    etas = [0.001, 0.002, 0.005, 0.01, 0.02]
-    lambdas = [0.0, paper_lambda / 10, paper_lambda]
-    rhos = [0.999, 0.001]
+    etas = etas or [0.001, 0.002, 0.005, 0.01, 0.02]
+    lambdas = lambdas or [0.0, paper_lambda / 10, paper_lambda]
+    rhos = rhos or [0.999, 0.001]
     configs = []
     for eta, lam, rho in itertools.product(etas, lambdas, rhos):
         if lam == 0.0 and rho != rhos[0]:
             continue  # rho only matters when the alignment term is on
         configs.append({"eta": eta, "lambda_swa": lam, "rho": rho})
     return configs
+
+
+def _floats(text: str | None) -> list[float] | None:
+    return [float(v) for v in text.split(",")] if text else None
 
 
 def main() -> None:
@@ -45,11 +55,16 @@ def main() -> None:
     parser.add_argument("--severity", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--threads", type=int, help="ORT intra-op threads")
+    parser.add_argument("--etas", help="comma-separated grid of eta (default 0.001..0.02)")
+    parser.add_argument("--lambdas", help="comma-separated grid of lambda_swa")
+    parser.add_argument("--rhos", help="comma-separated grid of rho (default 0.999,0.001)")
+    parser.add_argument("--log", help="tuning log (default models/<name>.tune.json)")
     args = parser.parse_args()
     metadata = read_metadata(args.model)
     rows = []
     start = time.time()
-    for config in grid(metadata.family):
+    configs = grid(metadata.family, _floats(args.etas), _floats(args.lambdas), _floats(args.rhos))
+    for config in configs:
         spec = EvalSpec(
             model=args.model, dataset="fmnist-c", protocol="single", severity=args.severity,
             batch_size=args.batch_size, methods=["eva0"], limit=args.limit, split="val",
@@ -76,7 +91,7 @@ def main() -> None:
         "best": best, "grid": rows, "seconds": time.time() - start,
         "load_average": os.getloadavg(),
     }
-    out = Path(args.model).with_suffix(".tune.json")
+    out = Path(args.log) if args.log else Path(args.model).with_suffix(".tune.json")
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"best {best} (noadapt {baseline:.2f}) -> recommended in {args.model}; log {out}")
 
