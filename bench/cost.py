@@ -307,6 +307,16 @@ def write_outputs(report: dict[str, Any], out_dir: Path) -> None:
     plot(report, out_dir / "cost.png")
 
 
+def process_peak_rss_mb() -> float:
+    """This process's peak RSS (VmHWM) in MB. Not ``ru_maxrss``: Linux carries that across
+    fork + exec, so a worker would report its parent's peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
 def _worker(argv: list[str]) -> None:
     model_path, method, batch, steps, threads, torch_spec = argv
     spec = json.loads(torch_spec)
@@ -314,8 +324,7 @@ def _worker(argv: list[str]) -> None:
     step, _ = make_step(method, model_path, int(batch), int(threads) or None, loader)
     for _ in range(int(steps)):
         step()
-    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"peak_rss_mb": peak_kb / 1024.0}))
+    print(json.dumps({"peak_rss_mb": process_peak_rss_mb()}))
 
 
 if __name__ == "__main__":

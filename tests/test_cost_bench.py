@@ -32,6 +32,19 @@ def test_bench_writes_tables_json_and_png(small_vit, tmp_path, capsys):
     assert (tmp_path / "cost.png").stat().st_size > 10_000
 
 
+def test_peak_memory_is_measured_in_a_fresh_process(small_vit):
+    """A worker reports its own peak, not the (larger, torch-holding) parent's."""
+    import numpy as np
+
+    from eva0_edge.bench import cost
+
+    ballast = np.ones(400 * 2**20 // 8)  # +400 MB in this process only
+    parent = cost.process_peak_rss_mb()
+    child = cost.peak_rss_mb(str(small_vit.onnx_path), "noadapt", 2, 2, 1, None)
+    assert 0 < child < parent - 300
+    del ballast
+
+
 def test_bench_cli_with_tent_on_random_timm_arch(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("EVA0_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "out"
