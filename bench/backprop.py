@@ -221,6 +221,3 @@ class BackpropTTA:
                 loss.backward()
                 self.optimizer.step()
         return logits
-
-    def diagnostics(self) -> dict:
-        return {"steps": self.steps}

@@ -122,11 +122,6 @@ def fmnist_c_domains(
     return domains
 
 
-def clean_fmnist(split: str = "test") -> Domain:
-    images, labels = load_fashion_mnist(split)
-    return Domain("clean", 0, labels, images=images)
-
-
 def folder_domains(
     root: str | os.PathLike, severity: int, corruptions: Sequence[str] | None = None
 ) -> list[Domain]:

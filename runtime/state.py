@@ -12,7 +12,7 @@ import io
 import json
 import os
 import zipfile
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,6 @@ class AdaptState:
     step: int = 0
     skipped: int = 0
     seed: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def initial(cls, theta0: np.ndarray, num_classes: int, num_features: int, seed: int):
@@ -65,7 +64,6 @@ class AdaptState:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         for name in _ARRAY_FIELDS:
             values[name] = values[name].copy()
-        values["extra"] = dict(self.extra)
         return AdaptState(**values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -75,7 +73,7 @@ class AdaptState:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> AdaptState:
         names = {f.name for f in fields(cls)}
-        missing = sorted(set(names) - set(values) - {"extra"})
+        missing = sorted(set(names) - set(values))
         if missing:
             raise StateError(f"state lacks {missing}")
         kwargs = {k: v for k, v in values.items() if k in names}
