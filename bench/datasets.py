@@ -94,7 +94,7 @@ def corrupted_fmnist(
     for start in tqdm(
         range(0, len(images), _CHUNK),
         desc=f"generating {split} {corruption}-{severity}",
-        disable=not progress,
+        disable=None if progress else True,  # None: off when not a terminal
         leave=False,
     ):
         stop = min(start + _CHUNK, len(images))

@@ -75,7 +75,9 @@ def run_protocol(
     method = make_method()
     result = StreamResult(name, {})
     total = sum(-(-len(d) // batch_size) for d in domains)
-    bar = tqdm(total=total, desc=f"{name} [{protocol}]", disable=not progress, leave=False)
+    bar = tqdm(
+        total=total, desc=f"{name} [{protocol}]", disable=None if progress else True, leave=False
+    )
     for i, domain in enumerate(domains):
         if i > 0 and protocol != "continual":
             method.reset()

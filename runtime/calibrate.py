@@ -25,7 +25,7 @@ def feature_statistics(
         stream.batches(batch_size),
         total=-(-len(stream) // batch_size),
         desc="calibrate",
-        disable=not progress,
+        disable=None if progress else True,  # None: off when not a terminal
     ):
         x = session.check_input(x)
         _, features = session.run(x, np.broadcast_to(theta0, (x.shape[0], theta0.size)))

@@ -92,7 +92,7 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
             stream.batches(args.batch_size),
             total=-(-len(stream) // args.batch_size),
             desc=args.method,
-            disable=args.quiet,
+            disable=True if args.quiet else None,  # None: off when not a terminal
         )
         for names, x, labels in progress:
             logits = model.step(x)
