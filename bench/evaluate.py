@@ -16,6 +16,7 @@ from eva0_edge.runtime.engine import METHODS, AdaptiveModel
 from eva0_edge.runtime.modelfile import read_metadata
 
 from .datasets import Domain, fmnist_c_domains, folder_domains
+from .fashion_mnist import VAL_SIZE, load_fashion_mnist
 from .protocols import StreamMethod, StreamResult, run_protocol
 from .report import write_report
 
@@ -71,7 +72,7 @@ def load_domains(spec: EvalSpec, progress: bool = True) -> list[Domain]:
     if spec.dataset == "fmnist-c":
         indices = None
         if spec.limit:
-            size = 10000 if spec.split == "test" else 5000
+            size = VAL_SIZE if spec.split == "val" else len(load_fashion_mnist(spec.split)[1])
             indices = np.sort(rng.choice(size, min(spec.limit, size), replace=False))
         return fmnist_c_domains(spec.severity, spec.split, indices=indices, progress=progress)
     domains = folder_domains(spec.dataset, spec.severity)

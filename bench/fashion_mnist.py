@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import os
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -43,10 +44,17 @@ def _read_idx(path: Path) -> np.ndarray:
 
 
 def load_fashion_mnist(split: str, root: str | os.PathLike | None = None):
-    """Images uint8 [N, 32, 32, 3] and labels int64 [N] of ``split`` ('train' or 'test')."""
+    """Images uint8 [N, 32, 32, 3] and labels int64 [N] of ``split`` ('train' or 'test').
+
+    Decoded once per (split, root) and shared: the arrays are read-only.
+    """
     if split not in _FILES:
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    root = Path(root) if root else dataset_root()
+    return _load(split, Path(root) if root else dataset_root())
+
+
+@lru_cache(maxsize=4)
+def _load(split: str, root: Path) -> tuple[np.ndarray, np.ndarray]:
     image_file, label_file = (root / name for name in _FILES[split])
     if not image_file.is_file():
         raise FileNotFoundError(
@@ -58,7 +66,10 @@ def load_fashion_mnist(split: str, root: str | os.PathLike | None = None):
     if len(images) != len(labels):
         raise ValueError(f"{root}: {len(images)} images but {len(labels)} labels")
     padded = np.pad(images, ((0, 0), (2, 2), (2, 2)))
-    return np.repeat(padded[..., None], 3, axis=-1), labels
+    rgb = np.repeat(padded[..., None], 3, axis=-1)
+    rgb.flags.writeable = False
+    labels.flags.writeable = False
+    return rgb, labels
 
 
 VAL_SIZE = 5000

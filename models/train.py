@@ -39,7 +39,7 @@ CALIBRATION_IMAGES = 5000
 
 def to_tensor(images: np.ndarray, mean: float, std: float) -> torch.Tensor:
     """uint8 [N, H, W, C] -> normalised float [N, C, H, W]."""
-    x = torch.from_numpy(images).permute(0, 3, 1, 2).float().div_(255.0)
+    x = torch.tensor(images).permute(0, 3, 1, 2).float().div_(255.0)
     return (x - mean) / std
 
 
