@@ -3,7 +3,6 @@ table (methods x corruptions + average) as Markdown, JSON and a PNG."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -110,39 +109,3 @@ def spec_dict(spec: EvalSpec) -> dict[str, Any]:
     values = asdict(spec)
     values["model"] = str(Path(spec.model).name)
     return values
-
-
-def table_rows(results: dict[str, StreamResult]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the paper's table: method, each domain's accuracy, average."""
-    domains = list(next(iter(results.values())).accuracy)
-    header = ["method", *domains, "avg"]
-    rows = [
-        [name, *(f"{r.accuracy[d]:.1f}" for d in domains), f"{r.average:.1f}"]
-        for name, r in results.items()
-    ]
-    return header, rows
-
-
-def results_json(results: dict[str, StreamResult], spec: dict[str, Any]) -> str:
-    payload = {
-        "spec": spec,
-        "results": {
-            name: {
-                "accuracy": r.accuracy,
-                "average": r.average,
-                "skipped_steps": r.skipped_steps,
-                "forwards_per_sample": r.forwards_per_sample,
-            }
-            for name, r in results.items()
-        },
-    }
-    return json.dumps(payload, indent=2)
-
-
-def markdown_table(results: dict[str, StreamResult]) -> str:
-    header, rows = table_rows(results)
-    short = [h.replace("_noise", "").replace("_blur", "").replace("_transform", "")
-             .replace("_compression", "") for h in header]
-    lines = ["| " + " | ".join(short) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)

@@ -1,5 +1,5 @@
-"""Evaluation reports: Markdown table, JSON, and a PNG of the stream (running accuracy of every
-method; drift ||theta - theta0|| and mean logit norm of the runtime methods)."""
+"""Evaluation reports: the paper's table as Markdown, JSON, and a PNG of the stream (running
+accuracy of every method; drift ||theta - theta0|| and mean logit norm of the runtime methods)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 
 from eva0_edge.runtime.atomic import atomic_write_bytes
+
+from .protocols import StreamResult
 
 
 def _running_accuracy(result, window: int = 20) -> np.ndarray:
@@ -52,10 +54,44 @@ def plot_stream(results: dict, title: str, path: Path) -> None:
     plt.close(fig)
 
 
+def table_rows(results: dict[str, StreamResult]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the paper's table: method, each domain's accuracy, average."""
+    domains = list(next(iter(results.values())).accuracy)
+    header = ["method", *domains, "avg"]
+    rows = [
+        [name, *(f"{r.accuracy[d]:.1f}" for d in domains), f"{r.average:.1f}"]
+        for name, r in results.items()
+    ]
+    return header, rows
+
+
+def results_json(results: dict[str, StreamResult], spec: dict[str, Any]) -> str:
+    payload = {
+        "spec": spec,
+        "results": {
+            name: {
+                "accuracy": r.accuracy,
+                "average": r.average,
+                "skipped_steps": r.skipped_steps,
+                "forwards_per_sample": r.forwards_per_sample,
+            }
+            for name, r in results.items()
+        },
+    }
+    return json.dumps(payload, indent=2)
+
+
+def markdown_table(results: dict[str, StreamResult]) -> str:
+    header, rows = table_rows(results)
+    short = [h.replace("_noise", "").replace("_blur", "").replace("_transform", "")
+             .replace("_compression", "") for h in header]
+    lines = ["| " + " | ".join(short) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
 def write_report(results: dict, spec: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     """Write ``results.md``, ``results.json`` and ``stream.png`` into ``out_dir``."""
-    from .evaluate import markdown_table, results_json
-
     out_dir.mkdir(parents=True, exist_ok=True)
     title = (f"{spec['model']} - {spec['dataset']} severity {spec['severity']}, "
              f"{spec['protocol']}, batch {spec['batch_size']}")

@@ -19,14 +19,18 @@ from .state import StateError
 log = logging.getLogger("eva0_edge")
 
 
+def _missing_extra(command: str, extra: str, err: ImportError) -> SystemExit:
+    """The exit for a subcommand whose optional dependencies are not installed."""
+    return SystemExit(
+        f"{command} needs the [{extra}] extra: pip install 'eva0-edge[{extra}]' ({err})"
+    )
+
+
 def _cmd_export(args: argparse.Namespace) -> None:
     try:
         from eva0_edge.exporter import export_model
     except ImportError as err:
-        raise SystemExit(
-            "export needs the [export] extra (torch, timm): "
-            f"pip install 'eva0-edge[export]' ({err})"
-        ) from err
+        raise _missing_extra("export", "export", err) from err
     labels = None
     if args.labels:
         with open(args.labels, encoding="utf-8") as f:
@@ -116,11 +120,10 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
 
 def _cmd_eval(args: argparse.Namespace) -> None:
     try:
-        from eva0_edge.bench.evaluate import EvalSpec, evaluate, markdown_table
+        from eva0_edge.bench.evaluate import EvalSpec, evaluate
+        from eva0_edge.bench.report import markdown_table
     except ImportError as err:
-        raise SystemExit(
-            f"eval needs the [bench] extra: pip install 'eva0-edge[bench]' ({err})"
-        ) from err
+        raise _missing_extra("eval", "bench", err) from err
     spec = EvalSpec(
         model=args.model,
         dataset=args.dataset,
@@ -152,9 +155,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         from eva0_edge.bench.cache import cache_dir
         from eva0_edge.bench.cost import export_random, markdown, run_bench, write_outputs
     except ImportError as err:
-        raise SystemExit(
-            f"bench needs the [bench] extra: pip install 'eva0-edge[bench]' ({err})"
-        ) from err
+        raise _missing_extra("bench", "bench", err) from err
     if bool(args.model) == bool(args.arch):
         raise ValueError("give exactly one of --model FILE or --arch TIMM_NAME")
     torch_spec = {"checkpoint": args.torch_checkpoint}
