@@ -180,6 +180,35 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         print(f"report: {args.out}/cost.md, cost.json, cost.png")
 
 
+def _cmd_serve(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    try:
+        from .server import ServeOptions, run_server
+    except ImportError as err:
+        raise _missing_extra("serve", "serve", err) from err
+    from .engine import AdaptiveModel
+
+    model = AdaptiveModel.load(
+        args.model, args.method, parse_key_values(args.set or []), args.seed, args.provider,
+        args.threads,
+    )
+    options = ServeOptions(
+        name=args.name or Path(args.model).stem,
+        max_batch=args.max_batch,
+        max_delay_ms=args.max_delay_ms,
+        state_dir=args.state_dir,
+        snapshot_every=args.snapshot_every,
+        keep_snapshots=args.keep_snapshots,
+        max_body_mb=args.max_body_mb,
+        summary_every_s=args.summary_every,
+    )
+    if options.max_batch < 1 or options.max_delay_ms < 0 or options.snapshot_every < 1:
+        raise ValueError("need --max-batch >= 1, --max-delay-ms >= 0, --snapshot-every >= 1")
+    level = "debug" if args.verbose >= 2 else "info"
+    run_server(model, options, args.host, args.port, level)
+
+
 def _add_runtime_options(p: argparse.ArgumentParser, *, method: bool = True) -> None:
     """Options that mean the same in every subcommand."""
     if method:
@@ -265,6 +294,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="intra-op threads of ORT and torch")
     _add_runtime_options(p)
     p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("serve", help="Open Inference Protocol server that adapts online")
+    p.add_argument("--model", required=True, help="adaptable .onnx file")
+    p.add_argument("--name", help="model name in the URLs (default: the file's stem)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="default 8000")
+    p.add_argument("--method", default="eva0", choices=sorted(METHODS), help="default eva0")
+    p.add_argument("--max-batch", type=int, default=64,
+                   help="most rows per adaptation step and per request (default 64)")
+    p.add_argument("--max-delay-ms", type=float, default=10.0,
+                   help="how long a request waits for others to join its step (default 10)")
+    p.add_argument("--state-dir", help="snapshot folder: resumed from at start, written to "
+                   "every --snapshot-every steps and at shutdown")
+    p.add_argument("--snapshot-every", type=int, default=100, help="steps (default 100)")
+    p.add_argument("--keep-snapshots", type=int, default=3, help="newest kept (default 3)")
+    p.add_argument("--max-body-mb", type=float, default=64.0, help="request limit (MiB)")
+    p.add_argument("--summary-every", type=float, default=30.0,
+                   help="seconds between info-level summaries (default 30)")
+    p.add_argument("--threads", type=int, help="ORT intra-op threads")
+    p.add_argument("--seed", type=int, default=0, help="perturbation seed (default 0)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="hyper-parameter override, repeatable")
+    p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"])
+    p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("bench", help="step cost (time, memory) of methods against NoAdapt")
     p.add_argument("--model", help="adaptable .onnx file")

@@ -1,0 +1,225 @@
+"""Load benchmark of ``eva0-edge serve``: throughput and p50/p99 latency at several concurrencies.
+
+    python -m eva0_edge.bench.serve_load --model models/resnet_gn_fmnist.onnx \\
+        --concurrency 1,4,16 --methods noadapt,eva0 --out out/serve-load
+
+For every method a real server process starts on a free loopback port; at each concurrency,
+that many tritonclient.http clients (threads of this process) send ``--requests`` requests each
+of ``--batch`` preprocessed images, back to back, after ``--warmup`` untimed ones. Latency is
+per request, client side (send to parsed response); throughput is images per second of wall
+time. The clients share the machine with the server: on a 2-core machine they take CPU from it,
+so the numbers are for the whole client + server system. Output: a table, ``serve_load.json``
+and ``serve_load.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tritonclient.http as httpclient
+
+from eva0_edge.runtime.atomic import atomic_write_bytes
+from eva0_edge.runtime.modelfile import read_metadata
+
+from .cost import environment, random_batch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    def __init__(self, model: str, method: str, threads: int | None, max_delay_ms: float) -> None:
+        self.port = _free_port()
+        self.url = f"127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile()
+        command = [sys.executable, "-m", "eva0_edge.runtime.cli", "serve", "--model", model,
+                   "--method", method, "--port", str(self.port),
+                   "--max-delay-ms", str(max_delay_ms)]
+        if threads:
+            command += ["--threads", str(threads)]
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        client = httpclient.InferenceServerClient(self.url)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError(f"server exited: {self.log.read().decode(errors='replace')}")
+            try:
+                if client.is_server_ready():
+                    client.close()
+                    return
+            except Exception:  # noqa: BLE001 - not listening yet
+                time.sleep(0.1)
+        raise RuntimeError("server not ready after 120 s")
+
+    def step_counts(self) -> tuple[float, float]:
+        """(rows, steps) so far, from the server's Prometheus metrics."""
+        with urllib.request.urlopen(f"http://{self.url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        return tuple(
+            float(re.search(rf"eva0_batch_rows_{key} (\S+)", text).group(1))
+            for key in ("sum", "count")
+        )
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(60)
+        self.log.close()
+
+
+def _load(url: str, name: str, x: np.ndarray, clients: int, requests: int, warmup: int):
+    def run(_: int) -> list[float]:
+        client = httpclient.InferenceServerClient(url)
+        tensor = httpclient.InferInput("pixel_values", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x)
+        output = [httpclient.InferRequestedOutput("logits")]
+        try:
+            for _ in range(warmup):
+                client.infer(name, [tensor], outputs=output)
+            latencies = []
+            for _ in range(requests):
+                start = time.perf_counter()
+                client.infer(name, [tensor], outputs=output)
+                latencies.append(time.perf_counter() - start)
+            return latencies
+        finally:
+            client.close()
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        latencies = [t for part in pool.map(run, range(clients)) for t in part]
+    return np.array(latencies), time.perf_counter() - start
+
+
+def run_load(
+    model: str, concurrency: list[int], methods: list[str], batch: int = 1, requests: int = 50,
+    warmup: int = 3, threads: int | None = None, max_delay_ms: float = 10.0,
+) -> dict[str, Any]:
+    """Run every method at every concurrency; returns the report dict (times in ms)."""
+    metadata = read_metadata(model)
+    x = random_batch(metadata, batch)
+    name = Path(model).stem
+    env_start = environment()
+    rows = []
+    for method in methods:
+        server = _Server(model, method, threads, max_delay_ms)
+        try:
+            for clients in concurrency:
+                rows_before, steps_before = server.step_counts()
+                latencies, wall = _load(server.url, name, x, clients, requests, warmup)
+                rows_after, steps_after = server.step_counts()
+                steps = steps_after - steps_before
+                rows.append({
+                    "method": method, "concurrency": clients, "batch": batch,
+                    "requests": int(latencies.size),
+                    "images_per_s": clients * (requests + warmup) * batch / wall,
+                    "p50_ms": 1000 * float(np.percentile(latencies, 50)),
+                    "p99_ms": 1000 * float(np.percentile(latencies, 99)),
+                    "steps": int(steps),
+                    "rows_per_step": (rows_after - rows_before) / steps if steps else None,
+                })
+                r = rows[-1]
+                print(f"{method} x{clients}: {r['images_per_s']:.1f} img/s, p50 "
+                      f"{r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms", flush=True)
+        finally:
+            server.stop()
+    return {
+        "model": Path(model).name, "architecture": metadata.architecture,
+        "threads": threads or "ort default", "max_delay_ms": max_delay_ms,
+        "environment_start": env_start, "environment_end": environment(), "rows": rows,
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    env = report["environment_start"]
+    lines = [
+        f"## Serve load: {report['architecture']} ({report['model']})",
+        "",
+        f"CPU {env['cpu']} ({env['cores']} cores), ORT {env['onnxruntime']}, server threads "
+        f"{report['threads']}, max delay {report['max_delay_ms']} ms, load average "
+        f"{env['load_average']} -> {report['environment_end']['load_average']}; clients run "
+        "on the same machine.",
+        "",
+        "| method | clients | batch | images/s | p50 ms | p99 ms | rows per step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        per_step = "-" if r["rows_per_step"] is None else f"{r['rows_per_step']:.2f}"
+        lines.append(
+            f"| {r['method']} | {r['concurrency']} | {r['batch']} | {r['images_per_s']:.1f} | "
+            f"{r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {per_step} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for method in dict.fromkeys(r["method"] for r in report["rows"]):
+        rows = [r for r in report["rows"] if r["method"] == method]
+        c = [r["concurrency"] for r in rows]
+        axes[0].plot(c, [r["images_per_s"] for r in rows], "o-", label=method)
+        axes[1].plot(c, [r["p50_ms"] for r in rows], "o-", label=f"{method} p50")
+        axes[1].plot(c, [r["p99_ms"] for r in rows], "s--", label=f"{method} p99")
+    for ax, label in zip(axes, ("images / s", "latency ms"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"serve load: {report['architecture']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--methods", default="noadapt,eva0")
+    parser.add_argument("--batch", type=int, default=1, help="images per request")
+    parser.add_argument("--requests", type=int, default=50, help="timed requests per client")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed requests per client")
+    parser.add_argument("--threads", type=int, help="server ORT threads")
+    parser.add_argument("--max-delay-ms", type=float, default=10.0)
+    parser.add_argument("--out", help="folder for serve_load.md / .json / .png")
+    args = parser.parse_args(argv)
+    report = run_load(
+        args.model, [int(c) for c in args.concurrency.split(",")],
+        [m.strip() for m in args.methods.split(",") if m.strip()], args.batch, args.requests,
+        args.warmup, args.threads, args.max_delay_ms,
+    )
+    print(markdown(report))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(out / "serve_load.json", json.dumps(report, indent=2).encode())
+        atomic_write_bytes(out / "serve_load.md", markdown(report).encode())
+        plot(report, out / "serve_load.png")
+        print(f"report: {out}/serve_load.md, serve_load.json, serve_load.png")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,290 @@
+"""The HTTP application: Open Inference Protocol endpoints, the adaptation extension and
+Prometheus metrics, over one :class:`AdaptationWorker`.
+
+Endpoints (``{name}`` is the served model's name):
+
+* ``GET /v2/health/live``, ``GET /v2/health/ready``, ``GET /v2`` (server metadata)
+* ``GET /v2/models/{name}`` (model metadata), ``GET /v2/models/{name}/ready``
+* ``POST /v2/models/{name}[/versions/1]/infer``
+* adaptation extension: ``GET /v2/models/{name}/adaptation/statistics``,
+  ``POST .../adaptation/reset``, ``GET .../adaptation/state`` (npz bytes),
+  ``PUT .../adaptation/state`` (npz bytes, verified before it replaces anything)
+* ``GET /metrics``
+
+Errors answer with the protocol's ``{"error": "..."}`` and a 4xx status; nothing that fails
+validation reaches the worker, so bad input never touches the adaptation state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from eva0_edge import __version__
+
+from ..engine import AdaptiveModel
+from ..session import InputError
+from ..state import StateError
+from .metrics import ServerMetrics
+from .protocol import HEADER_LENGTH, ProtocolError, encode_infer_response, parse_infer_request
+from .snapshots import SnapshotStore
+from .tensors import model_input, model_metadata, model_outputs, plan_outputs
+from .worker import AdaptationWorker, StepRecord
+
+log = logging.getLogger("eva0_edge.serve")
+
+MODEL_VERSION = "1"
+
+
+@dataclass
+class ServeOptions:
+    """Server settings. ``max_delay_ms``: how long the oldest queued request may wait for others
+    to join its step; ``snapshot_every``: steps between snapshots; ``max_body_mb``: the largest
+    request body accepted (MiB); ``summary_every_s``: seconds between info-level summaries."""
+
+    name: str
+    max_batch: int = 64
+    max_delay_ms: float = 10.0
+    state_dir: str | None = None
+    snapshot_every: int = 100
+    keep_snapshots: int = 3
+    max_body_mb: float = 64.0
+    summary_every_s: float = 30.0
+
+
+def _finite(stats: dict) -> dict:
+    """JSON has no NaN: statistics not yet defined (no step seen) become null."""
+    return {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in stats.items()
+    }
+
+
+def _error(message: str, status: int) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+class _Summary:
+    """Counts for the periodic info-level summary line (worker thread only)."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self.reset()
+
+    def reset(self) -> None:
+        self.since = time.monotonic()
+        self.steps = self.rows = self.requests = 0
+
+    def add(self, record: StepRecord, model: AdaptiveModel) -> None:
+        self.steps += 1
+        self.rows += record.rows
+        self.requests += record.requests
+        if time.monotonic() - self.since >= self.every_s:
+            self.emit(model)
+
+    def emit(self, model: AdaptiveModel) -> None:
+        seconds = time.monotonic() - self.since
+        stats = model.stats()
+        if self.steps:
+            log.info(
+                "%d requests, %d rows in %d steps over %.0f s (%.1f rows/step); step %d, "
+                "%d skipped, drift %.4g, mean entropy %.3f",
+                self.requests, self.rows, self.steps, seconds, self.rows / self.steps,
+                stats["steps"], stats["skipped_steps"], stats["drift"], stats["mean_entropy"],
+            )
+        self.reset()
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ProtocolError(f"request body of {declared} bytes exceeds the limit of {limit}", 413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ProtocolError(f"request body exceeds the limit of {limit} bytes", 413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def create_app(model: AdaptiveModel, options: ServeOptions) -> FastAPI:
+    """The application around ``model``; the worker starts and stops with the app's lifespan
+    (restoring the newest good snapshot from ``options.state_dir`` first)."""
+    metrics = ServerMetrics(options.max_batch)
+    summary = _Summary(options.summary_every_s)
+    snapshots = (
+        SnapshotStore(options.state_dir, options.keep_snapshots) if options.state_dir else None
+    )
+
+    def on_step(record: StepRecord) -> None:
+        metrics.record_step(
+            record, float(np.linalg.norm(model.state.theta - model.metadata.theta0))
+        )
+        summary.add(record, model)
+
+    worker = AdaptationWorker(
+        model, options.max_batch, options.max_delay_ms / 1000.0, snapshots,
+        options.snapshot_every, on_step,
+    )
+    limit = int(options.max_body_mb * 2**20)
+    ready = asyncio.Event()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if snapshots is not None:
+            restored = snapshots.restore_latest(model)
+            if restored:
+                log.info("resumed from %s at step %d", restored, model.state.step)
+        worker.start()
+        ready.set()
+        log.info(
+            "serving %s (%s, %s) max batch %d, max delay %.1f ms", options.name,
+            model.metadata.architecture, model.method, options.max_batch, options.max_delay_ms,
+        )
+        try:
+            yield
+        finally:
+            ready.clear()
+            await run_in_threadpool(worker.stop)
+            summary.emit(model)
+            log.info("stopped at step %d", model.state.step)
+
+    app = FastAPI(title="eva0-edge", version=__version__, lifespan=lifespan)
+    app.state.worker = worker
+    app.state.metrics = metrics
+
+    def check_name(name: str) -> None:
+        if name != options.name:
+            raise ProtocolError(f"unknown model {name!r}; this server serves {options.name!r}", 404)
+
+    @app.exception_handler(ProtocolError)
+    async def protocol_error(_: Request, err: ProtocolError) -> JSONResponse:
+        return _error(str(err), err.status)
+
+    @app.get("/v2/health/live")
+    async def live() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v2/health/ready")
+    async def server_ready() -> Response:
+        return Response(status_code=200 if ready.is_set() else 503)
+
+    @app.get("/v2")
+    async def server_metadata() -> dict:
+        return {
+            "name": "eva0-edge", "version": __version__,
+            "extensions": ["binary_tensor_data", "eva0_adaptation"],
+        }
+
+    @app.get("/v2/models/{name}")
+    @app.get("/v2/models/{name}/versions/{version}")
+    async def metadata(name: str, version: str = MODEL_VERSION) -> dict:
+        check_name(name)
+        return model_metadata(options.name, MODEL_VERSION, model.metadata)
+
+    @app.get("/v2/models/{name}/ready")
+    @app.get("/v2/models/{name}/versions/{version}/ready")
+    async def model_ready(name: str, version: str = MODEL_VERSION) -> Response:
+        check_name(name)
+        return Response(status_code=200 if ready.is_set() else 503)
+
+    def prepare(body: bytes, header_length: str | None):
+        request = parse_infer_request(body, header_length)
+        plans = plan_outputs(request.outputs, request.binary_output, model.metadata.num_classes)
+        x = model_input(request, model.metadata, options.max_batch)
+        try:
+            x = model.session.check_input(x)
+        except InputError as err:
+            raise ProtocolError(str(err)) from None
+        return request, plans, x
+
+    @app.post("/v2/models/{name}/infer")
+    @app.post("/v2/models/{name}/versions/{version}/infer")
+    async def infer(name: str, request: Request, version: str = MODEL_VERSION) -> Response:
+        start = time.perf_counter()
+        status = 200
+        try:
+            check_name(name)
+            if not ready.is_set():
+                raise ProtocolError("server is not ready", 503)
+            body = await _read_body(request, limit)
+            parsed, plans, x = await run_in_threadpool(
+                prepare, body, request.headers.get(HEADER_LENGTH)
+            )
+            logits = await asyncio.wrap_future(worker.submit(x))
+            outputs = model_outputs(logits, plans, model.metadata.labels)
+            content, headers = encode_infer_response(
+                options.name, MODEL_VERSION, parsed.id, outputs
+            )
+            return Response(content, headers=headers)
+        except ProtocolError as err:
+            status = err.status
+            return _error(str(err), status)
+        except Exception as err:
+            status = 500
+            log.exception("inference failed")
+            return _error(f"inference failed: {err}", status)
+        finally:
+            elapsed = time.perf_counter() - start
+            metrics.requests.labels(str(status)).inc()
+            if status == 200:
+                metrics.latency.observe(elapsed)
+            log.debug("infer %s %d %.1f ms", name, status, 1000 * elapsed)
+
+    async def on_worker(operation):
+        return await asyncio.wrap_future(worker.call(operation))
+
+    @app.get("/v2/models/{name}/adaptation/statistics")
+    async def statistics(name: str) -> dict:
+        check_name(name)
+        stats = await on_worker(lambda m: m.stats())
+        stats["snapshots_written"] = snapshots.written if snapshots else 0
+        return _finite(stats)
+
+    @app.post("/v2/models/{name}/adaptation/reset")
+    async def reset(name: str) -> dict:
+        check_name(name)
+
+        def do_reset(m: AdaptiveModel) -> dict:
+            m.reset()
+            worker.snapshot_now()
+            return _finite(m.stats())
+
+        return await on_worker(do_reset)
+
+    @app.get("/v2/models/{name}/adaptation/state")
+    async def get_state(name: str) -> Response:
+        check_name(name)
+        data = await on_worker(lambda m: m.state_bytes())
+        return Response(data, media_type="application/octet-stream")
+
+    @app.put("/v2/models/{name}/adaptation/state")
+    async def put_state(name: str, request: Request) -> Response:
+        check_name(name)
+        body = await _read_body(request, limit)
+
+        def install(m: AdaptiveModel) -> dict:
+            m.load_state_bytes(body)
+            worker.snapshot_now()
+            return _finite(m.stats())
+
+        try:
+            return JSONResponse(await on_worker(install))
+        except StateError as err:
+            return _error(f"state refused: {err}", 400)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,60 @@
+"""Prometheus metrics of one server (its own registry, so several apps in a process don't mix)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .worker import StepRecord
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class ServerMetrics:
+    """Requests by status, request latency (seconds), rows per step, adaptation steps."""
+
+    def __init__(self, max_batch: int) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "eva0_requests", "Inference requests by HTTP status", ["status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "eva0_request_latency_seconds", "Inference request latency (seconds)",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        buckets = sorted({2**i for i in range(max_batch.bit_length() + 1)} | {max_batch})
+        self.batch_rows = Histogram(
+            "eva0_batch_rows", "Rows per adaptation step (after dynamic batching)",
+            buckets=buckets, registry=self.registry,
+        )
+        self.batch_requests = Histogram(
+            "eva0_batch_requests", "Requests coalesced into one adaptation step",
+            buckets=buckets, registry=self.registry,
+        )
+        self.steps = Counter(
+            "eva0_adaptation_steps", "Adaptation steps run", registry=self.registry
+        )
+        self.skipped = Counter(
+            "eva0_adaptation_skipped_steps", "Steps skipped (non-finite loss, gradient or theta)",
+            registry=self.registry,
+        )
+        self.step_seconds = Histogram(
+            "eva0_step_seconds", "Seconds in one adaptation step", buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.drift = Gauge(
+            "eva0_theta_drift", "||theta - theta0|| after the last step", registry=self.registry
+        )
+
+    def record_step(self, record: StepRecord, drift: float) -> None:
+        self.steps.inc()
+        if record.skipped:
+            self.skipped.inc()
+        self.batch_rows.observe(record.rows)
+        self.batch_requests.observe(record.requests)
+        self.step_seconds.observe(record.seconds)
+        self.drift.set(drift)
+
+    def exposition(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)

@@ -1,0 +1,24 @@
+"""Run the server with uvicorn until SIGINT/SIGTERM (the lifespan writes the final snapshot)."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from ..engine import AdaptiveModel
+from .app import ServeOptions, create_app
+
+
+def run_server(
+    model: AdaptiveModel, options: ServeOptions, host: str = "127.0.0.1", port: int = 8000,
+    log_level: str = "info",
+) -> None:
+    """Serve ``model`` on ``host:port`` (loopback by default) until interrupted."""
+    logging.getLogger("eva0_edge").setLevel(log_level.upper())
+    app = create_app(model, options)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
+        timeout_graceful_shutdown=10,
+    )
+    uvicorn.Server(config).run()

@@ -1,0 +1,62 @@
+"""Adaptation-state snapshots in a directory: written atomically, numbered, the newest few kept.
+
+Files are ``snapshot-<seq>.npz`` (the state format of :mod:`..state`: npz + SHA-256 + model
+fingerprint) with a sequence number that only grows, so a reset (step back to 0) never makes an
+older snapshot look newer. At start the newest snapshot that verifies is loaded; a corrupt or
+foreign one is refused with a logged reason and the next older one is tried.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+from ..engine import AdaptiveModel
+from ..state import StateError, write_state_file
+
+log = logging.getLogger("eva0_edge.serve")
+
+_NAME = re.compile(r"^snapshot-(\d+)\.npz$")
+
+
+class SnapshotStore:
+    """Numbered snapshots under ``directory``; ``keep`` newest ones survive pruning."""
+
+    def __init__(self, directory: str | os.PathLike, keep: int = 3) -> None:
+        if keep < 1:
+            raise ValueError("keep at least one snapshot")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+        self.written = 0
+
+    def _existing(self) -> list[tuple[int, Path]]:
+        found = []
+        for path in self.directory.iterdir():
+            match = _NAME.match(path.name)
+            if match:
+                found.append((int(match.group(1)), path))
+        return sorted(found)
+
+    def save(self, model: AdaptiveModel) -> Path:
+        """Write the model's state as the newest snapshot, then prune the oldest."""
+        existing = self._existing()
+        seq = existing[-1][0] + 1 if existing else 1
+        path = write_state_file(self.directory / f"snapshot-{seq:08d}.npz", model.state_bytes())
+        self.written += 1
+        for _, old in existing[: max(0, len(existing) + 1 - self.keep)]:
+            old.unlink(missing_ok=True)
+        return path
+
+    def restore_latest(self, model: AdaptiveModel) -> Path | None:
+        """Load the newest snapshot that verifies into ``model``; None when there is none."""
+        for _, path in reversed(self._existing()):
+            try:
+                model.load_state(path)
+            except (StateError, OSError) as err:
+                log.warning("snapshot refused, trying an older one: %s", err)
+                continue
+            return path
+        return None

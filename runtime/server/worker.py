@@ -1,0 +1,172 @@
+"""The adaptation worker: one thread owns the :class:`AdaptiveModel` and its state.
+
+Inference requests queue up and coalesce into one adaptation step (dynamic batching): the worker
+takes the oldest request, then keeps taking queued requests while the batch stays within
+``max_batch`` rows and the oldest request has waited less than ``max_delay`` seconds. It runs one
+``step`` on the concatenated rows and hands every request exactly its own rows back, in order.
+Control operations (statistics, reset, state get/put) run on the same thread between steps, so
+nothing else ever touches the state.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..engine import AdaptiveModel
+from .snapshots import SnapshotStore
+
+log = logging.getLogger("eva0_edge.serve")
+
+
+@dataclass
+class _Job:
+    x: np.ndarray
+    future: Future
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Control:
+    operation: Callable[[AdaptiveModel], Any]
+    future: Future
+
+
+_STOP = object()
+
+
+@dataclass
+class StepRecord:
+    """What one adaptation step did: rows, requests, and seconds spent in ``step``."""
+
+    rows: int
+    requests: int
+    seconds: float
+    skipped: bool
+
+
+class AdaptationWorker:
+    """Owns the model; ``submit`` a checked batch, get a Future of its logits [B, K]."""
+
+    def __init__(
+        self,
+        model: AdaptiveModel,
+        max_batch: int,
+        max_delay_s: float,
+        snapshots: SnapshotStore | None = None,
+        snapshot_every: int = 100,
+        on_step: Callable[[StepRecord], None] | None = None,
+    ) -> None:
+        if max_batch < 1 or max_delay_s < 0 or snapshot_every < 1:
+            raise ValueError("need max_batch >= 1, max_delay >= 0 and snapshot_every >= 1")
+        self.model = model
+        self.max_batch = max_batch
+        self.max_delay_s = max_delay_s
+        self.snapshots = snapshots
+        self.snapshot_every = snapshot_every
+        self.on_step = on_step
+        self._queue: queue.Queue = queue.Queue()
+        self._held: Any = None
+        self._thread = threading.Thread(target=self._run, name="eva0-adapt", daemon=True)
+        self._steps_since_snapshot = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish what is queued, write a final snapshot, and end the thread."""
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+
+    def submit(self, x: np.ndarray) -> Future:
+        """Queue a batch already checked by ``model.session.check_input``."""
+        future: Future = Future()
+        self._queue.put(_Job(x, future))
+        return future
+
+    def call(self, operation: Callable[[AdaptiveModel], Any]) -> Future:
+        """Run ``operation(model)`` on the worker thread, between steps."""
+        future: Future = Future()
+        self._queue.put(_Control(operation, future))
+        return future
+
+    def snapshot_now(self) -> None:
+        """Write a snapshot (worker thread only; a failure is logged, serving goes on)."""
+        if self.snapshots is None:
+            return
+        try:
+            path = self.snapshots.save(self.model)
+            log.debug("snapshot %s at step %d", path.name, self.model.state.step)
+        except OSError as err:
+            log.error("snapshot failed, will retry at the next interval: %s", err)
+        self._steps_since_snapshot = 0
+
+    # ------------------------------------------------------------------ thread
+    def _next(self, timeout: float | None = None) -> Any:
+        if self._held is not None:
+            item, self._held = self._held, None
+            return item
+        return self._queue.get(timeout=timeout)
+
+    def _run(self) -> None:
+        while True:
+            item = self._next()
+            if item is _STOP:
+                break
+            if isinstance(item, _Control):
+                self._control(item)
+                continue
+            self._batch(item)
+        self.snapshot_now()
+
+    def _control(self, item: _Control) -> None:
+        if not item.future.set_running_or_notify_cancel():
+            return
+        try:
+            item.future.set_result(item.operation(self.model))
+        except Exception as err:  # noqa: BLE001 - handed to the caller
+            item.future.set_exception(err)
+
+    def _batch(self, first: _Job) -> None:
+        jobs, rows = [first], first.x.shape[0]
+        deadline = first.enqueued + self.max_delay_s
+        while rows < self.max_batch:
+            try:
+                item = self._next(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if not isinstance(item, _Job) or rows + item.x.shape[0] > self.max_batch:
+                self._held = item
+                break
+            jobs.append(item)
+            rows += item.x.shape[0]
+        jobs = [job for job in jobs if job.future.set_running_or_notify_cancel()]
+        if not jobs:
+            return
+        x = jobs[0].x if len(jobs) == 1 else np.concatenate([job.x for job in jobs])
+        start = time.perf_counter()
+        try:
+            logits = self.model.step(x)
+        except Exception as err:  # noqa: BLE001 - every waiting request gets the error
+            for job in jobs:
+                job.future.set_exception(err)
+            return
+        seconds = time.perf_counter() - start
+        offset = 0
+        for job in jobs:
+            n = job.x.shape[0]
+            job.future.set_result(logits[offset : offset + n])
+            offset += n
+        self._steps_since_snapshot += 1
+        if self._steps_since_snapshot >= self.snapshot_every:
+            self.snapshot_now()
+        if self.on_step is not None:
+            self.on_step(StepRecord(rows, len(jobs), seconds, self.model.last.skipped))

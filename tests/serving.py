@@ -1,0 +1,76 @@
+"""A real ``eva0-edge serve`` process on a free loopback port, for the server tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import tritonclient.http as httpclient
+
+MODEL = Path(__file__).resolve().parents[1] / "models" / "resnet_gn_fmnist.onnx"
+NAME = "resnet_gn_fmnist"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``eva0-edge serve`` in a subprocess; ``client`` is a tritonclient HTTP client."""
+
+    def __init__(self, log_path: Path, *args: str, model: Path = MODEL) -> None:
+        self.port = free_port()
+        self.url = f"127.0.0.1:{self.port}"
+        self.log_path = log_path
+        command = [
+            sys.executable, "-m", "eva0_edge.runtime.cli", "-v", "serve", "--model", str(model),
+            "--port", str(self.port), "--threads", "1", *args,
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self._log = open(log_path, "ab")
+        self.process = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, env=env
+        )
+        self.client = httpclient.InferenceServerClient(self.url, concurrency=16)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited: {self.log()}")
+            try:
+                if self.client.is_server_ready():
+                    return
+            except Exception:  # noqa: BLE001 - not listening yet
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server not ready after {timeout} s: {self.log()}")
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown hook runs."""
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(10)
+        self.client.close()
+
+    def stop(self) -> bool:
+        """SIGTERM; True when the server shut down gracefully (its lifespan ran to the end and
+        logged its final line; uvicorn then re-raises the signal, so the status is -15)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(30)
+        self.client.close()
+        self._log.close()
+        return self.process.returncode in (0, -signal.SIGTERM) and "stopped at step" in self.log()

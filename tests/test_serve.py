@@ -1,0 +1,349 @@
+"""``eva0-edge serve``: a real server process, a real client (tritonclient.http), real images."""
+
+from __future__ import annotations
+
+import http.client
+import io
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from PIL import Image
+
+from eva0_edge.bench.fashion_mnist import load_fashion_mnist
+from eva0_edge.runtime.engine import AdaptiveModel
+from eva0_edge.runtime.modelfile import read_metadata
+from eva0_edge.runtime.preprocess import preprocess_uint8
+from eva0_edge.runtime.server.protocol import (
+    HEADER_LENGTH,
+    ProtocolError,
+    encode_infer_response,
+    parse_infer_request,
+)
+from eva0_edge.runtime.state import decode_state
+from tests.serving import MODEL, NAME, ServerProcess
+
+MAX_BATCH = 32
+INFER = f"/v2/models/{NAME}/infer"
+
+
+@pytest.fixture(scope="module")
+def raw_images() -> np.ndarray:
+    return load_fashion_mnist("test")[0][:640]
+
+
+@pytest.fixture(scope="module")
+def pixels(raw_images) -> np.ndarray:
+    return preprocess_uint8(raw_images, read_metadata(MODEL).preprocessing)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("serve")
+    process = ServerProcess(
+        folder / "server.log", "--max-batch", str(MAX_BATCH), "--max-delay-ms", "5",
+        "--max-body-mb", "1",
+    )
+    yield process
+    assert process.stop(), process.log()
+
+
+def offline(method: str = "eva0") -> AdaptiveModel:
+    return AdaptiveModel.load(MODEL, method, seed=0, provider="cpu", threads=1)
+
+
+def tensor_input(x: np.ndarray) -> httpclient.InferInput:
+    tensor = httpclient.InferInput("pixel_values", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x)
+    return tensor
+
+
+def png(image: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def image_input(images: np.ndarray) -> httpclient.InferInput:
+    tensor = httpclient.InferInput("images", [len(images)], "BYTES")
+    tensor.set_data_from_numpy(np.array([png(i) for i in images], dtype=object))
+    return tensor
+
+
+def http_call(server: ServerProcess, method: str, path: str, body: bytes | None = None,
+              headers: dict | None = None) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def statistics(server: ServerProcess) -> dict:
+    status, body = http_call(server, "GET", f"/v2/models/{NAME}/adaptation/statistics")
+    assert status == 200, body
+    return json.loads(body)
+
+
+def reset(server: ServerProcess) -> None:
+    status, body = http_call(server, "POST", f"/v2/models/{NAME}/adaptation/reset")
+    assert status == 200, body
+
+
+# ----------------------------------------------------------------------------- protocol
+def test_protocol_parses_json_and_binary_tensors():
+    x = np.arange(6, dtype=np.float32).reshape(1, 2, 3)
+    head = json.dumps({
+        "id": "r1",
+        "inputs": [
+            {"name": "a", "datatype": "FP32", "shape": [1, 2, 3],
+             "parameters": {"binary_data_size": 24}},
+            {"name": "b", "datatype": "BYTES", "shape": [2],
+             "parameters": {"binary_data_size": 11}},
+            {"name": "c", "datatype": "INT64", "shape": [2], "data": [[4], [5]]},
+        ],
+        "outputs": [{"name": "logits", "parameters": {"binary_data": True}}],
+    }).encode()
+    strings = b"\x03\x00\x00\x00abc" + b"\x00\x00\x00\x00"
+    request = parse_infer_request(head + x.tobytes() + strings, str(len(head)))
+    np.testing.assert_array_equal(request.inputs["a"], x)
+    assert request.inputs["b"] == [b"abc", b""]
+    np.testing.assert_array_equal(request.inputs["c"], [4, 5])
+    assert request.id == "r1" and request.outputs[0].binary
+
+
+_BINARY_HEAD = b'{"inputs": [{"name": "a", "datatype": "FP32", "shape": [2], ' \
+    b'"parameters": {"binary_data_size": 8}}]}'
+
+
+@pytest.mark.parametrize("body, header, message", [
+    (b"{", None, "not valid JSON"),
+    (b'{"inputs": 3}', None, "'inputs' list"),
+    (b'{"inputs": [{"name": "a", "datatype": "FP32", "shape": [2], "data": [1]}]}', None,
+     "1 values for shape"),
+    (_BINARY_HEAD + b"\x00\x00\x80?", str(len(_BINARY_HEAD)), "exceeds the body"),
+    (b'{"inputs": [{"name": "a", "datatype": "FP9", "shape": [1], "data": [1]}]}', None,
+     "unknown datatype"),
+    (b'{"inputs": [{"name": "a", "datatype": "BYTES", "shape": [1], "data": ["%%"]}]}', None,
+     "base64"),
+])
+def test_protocol_refuses_malformed_requests(body, header, message):
+    with pytest.raises(ProtocolError, match=message):
+        parse_infer_request(body, header)
+
+
+def test_protocol_encodes_binary_outputs_as_triton_expects():
+    logits = np.ones((2, 3), dtype=np.float32)
+    labels = np.array([[b"x"], [b"yz"]], dtype=object)
+    body, headers = encode_infer_response(
+        "m", "1", "7", [("logits", logits, True), ("labels", labels, True)]
+    )
+    n = int(headers[HEADER_LENGTH])
+    head = json.loads(body[:n])
+    assert head["id"] == "7" and [o["parameters"]["binary_data_size"] for o in head["outputs"]] \
+        == [24, 11]
+    assert body[n:] == logits.tobytes() + b"\x01\x00\x00\x00x\x02\x00\x00\x00yz"
+
+
+# ----------------------------------------------------------------------------- server
+def test_metadata_and_health(server):
+    client = server.client
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready(NAME)
+    meta = client.get_model_metadata(NAME)
+    assert {i["name"]: i["shape"] for i in meta["inputs"]} == {
+        "pixel_values": [-1, 3, 32, 32], "images": [-1],
+    }
+    assert [o["name"] for o in meta["outputs"]] == ["logits", "probabilities", "labels"]
+    assert "binary_tensor_data" in client.get_server_metadata()["extensions"]
+
+
+def test_stream_matches_offline_runtime(server, pixels, raw_images):
+    """Tensor and image requests, one step each: logits equal the offline runtime's on the same
+    batches with the same seed; probabilities and top-k labels follow from them."""
+    reset(server)
+    reference = offline()
+    labels = read_metadata(MODEL).labels
+    bounds = [0, 8, 13, 29, 30, 46, 78]
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        request = image_input(raw_images[lo:hi]) if i % 2 else tensor_input(pixels[lo:hi])
+        outputs = [httpclient.InferRequestedOutput(n) for n in ("logits", "probabilities")]
+        outputs.append(httpclient.InferRequestedOutput("labels", class_count=3))
+        result = server.client.infer(NAME, [request], outputs=outputs)
+        expected = reference.step(pixels[lo:hi])
+        logits = result.as_numpy("logits")
+        np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
+        probabilities = result.as_numpy("probabilities")
+        np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, atol=1e-5)
+        top = result.as_numpy("labels")
+        assert top.shape == (hi - lo, 3)
+        assert [t.decode() for t in top[:, 0]] == [labels[j] for j in expected.argmax(axis=1)]
+    stats = statistics(server)
+    assert stats["steps"] == len(bounds) - 1 and stats["forwards_per_sample"] == 2.0
+    assert stats["drift"] == pytest.approx(
+        float(np.linalg.norm(reference.state.theta - reference.metadata.theta0)), rel=1e-4
+    )
+
+
+def _concurrent(url: str, pixels: np.ndarray, clients: int = 16, requests: int = 20):
+    """clients x requests, each request 1-3 distinct images; returns (row ids, logits) pairs."""
+    def run(c: int):
+        client = httpclient.InferenceServerClient(url)
+        out = []
+        try:
+            for r in range(requests):
+                start = (c * requests + r) * 2 % (len(pixels) - 3)
+                rows = np.arange(start, start + 1 + (c + r) % 3)
+                result = client.infer(NAME, [tensor_input(pixels[rows])])
+                out.append((rows, result.as_numpy("logits")))
+        finally:
+            client.close()
+        return out
+
+    with ThreadPoolExecutor(clients) as pool:
+        return [pair for part in pool.map(run, range(clients)) for pair in part]
+
+
+def _coalesced_requests(server: ServerProcess) -> tuple[float, float]:
+    status, body = http_call(server, "GET", "/metrics")
+    text = body.decode()
+    total = float(re.search(r"eva0_batch_requests_sum (\S+)", text).group(1))
+    steps = float(re.search(r"eva0_batch_requests_count (\S+)", text).group(1))
+    return total, steps
+
+
+def test_concurrent_clients_get_their_own_rows(pixels, tmp_path):
+    """16 clients x 20 requests of 1-3 distinct images. NoAdapt: every returned row equals the
+    offline prediction of that very image. EVA-0 with eta 0 and mu 5e-4 (theta stays at theta0;
+    each row is the mean of its +/- perturbed logits, within 0.02 of NoAdapt's, while any two
+    of these images are >= 0.05 apart): requests coalesce into shared steps, and every row
+    matches its own image."""
+    expected = offline("noadapt").predict(pixels)
+    quiet_eva0 = ["--method", "eva0", "--set", "eta=0", "--set", "mu=5e-4"]
+    for args in (["--method", "noadapt"], quiet_eva0):
+        server = ServerProcess(tmp_path / f"{args[1]}.log", *args, "--max-delay-ms", "20")
+        try:
+            pairs = _concurrent(server.url, pixels)
+            total, steps = _coalesced_requests(server)
+        finally:
+            assert server.stop(), server.log()
+        assert len(pairs) == 320 and total == 320 and steps < 320
+        tolerance = 1e-4 if args[1] == "noadapt" else 0.02
+        for rows, logits in pairs:
+            np.testing.assert_allclose(logits, expected[rows], rtol=0, atol=tolerance)
+
+
+def _infer_json(inputs: list[dict], **extra) -> bytes:
+    return json.dumps({"inputs": inputs, **extra}).encode()
+
+
+def _pixels_json(x: np.ndarray, datatype: str = "FP32", name: str = "pixel_values") -> dict:
+    return {"name": name, "datatype": datatype, "shape": list(x.shape), "data": x.ravel().tolist()}
+
+
+def test_bad_input_is_refused_and_never_touches_the_state(server, pixels):
+    ok = pixels[:2]
+    nan = ok.copy()
+    nan[0, 0, 0, 0] = np.nan
+    head = json.dumps({"inputs": [{"name": "pixel_values", "datatype": "FP32",
+                                   "shape": [2, 3, 32, 32],
+                                   "parameters": {"binary_data_size": 100}}]}).encode()
+    cases = [
+        ("/v2/models/other/infer", _infer_json([_pixels_json(ok)]), {}, 404, "unknown model"),
+        (INFER, b"{not json", {}, 400, "not valid JSON"),
+        (INFER, _infer_json([_pixels_json(ok, name="x")]), {}, 400, "unknown input 'x'"),
+        (INFER, _infer_json([_pixels_json(ok, "FP64")]), {}, 400, "must be FP32"),
+        (INFER, _infer_json([_pixels_json(ok[:, :, :28, :28])]), {}, 400, "must have shape"),
+        (INFER, _infer_json([_pixels_json(np.zeros((MAX_BATCH + 1, 3, 32, 32), np.float32))]),
+         {}, 400, "exceeds the server's max batch"),
+        (INFER, _infer_json([{"name": "images", "datatype": "BYTES", "shape": [1],
+                              "data": ["bm90IGFuIGltYWdl"]}]), {}, 400, "not a decodable"),
+        (INFER, _infer_json([_pixels_json(nan)]), {}, 400, "NaN"),
+        (INFER, _infer_json([_pixels_json(ok * 0 + 200.0)]), {}, 400, "outside"),
+        (INFER, head + b"\x00" * 100, {HEADER_LENGTH: str(len(head))}, 400,
+         "100 bytes of binary data"),
+        (INFER, _infer_json([_pixels_json(ok)], outputs=[{"name": "nope"}]), {}, 400,
+         "unknown output"),
+        (INFER, b"0" * (2 * 2**20), {}, 413, "exceeds the limit"),
+        (INFER, _infer_json([_pixels_json(ok), _pixels_json(ok, name="images")]), {}, 400,
+         "exactly one"),
+    ]
+    before = statistics(server)
+    for path, body, headers, status, message in cases:
+        got, answer = http_call(server, "POST", path, body, headers)
+        assert got == status, (message, answer)
+        assert message in json.loads(answer)["error"], answer
+    after = statistics(server)
+    assert after["steps"] == before["steps"] and after["drift"] == before["drift"]
+    assert server.client.is_server_ready()
+    with pytest.raises(Exception, match="exceeds the server's max batch"):
+        server.client.infer(NAME, [tensor_input(np.zeros((MAX_BATCH + 1, 3, 32, 32), "f4"))])
+
+
+def test_state_snapshot_get_put_and_reset(server, pixels):
+    reset(server)
+    server.client.infer(NAME, [tensor_input(pixels[:16])])
+    status, snapshot = http_call(server, "GET", f"/v2/models/{NAME}/adaptation/state")
+    assert status == 200
+    state, _ = decode_state(snapshot)
+    assert state.step == 1
+    server.client.infer(NAME, [tensor_input(pixels[16:32])])
+    assert statistics(server)["steps"] == 2
+    broken = snapshot[:-20]
+    status, body = http_call(server, "PUT", f"/v2/models/{NAME}/adaptation/state", broken)
+    assert status == 400 and "state refused" in json.loads(body)["error"]
+    assert statistics(server)["steps"] == 2
+    status, body = http_call(server, "PUT", f"/v2/models/{NAME}/adaptation/state", snapshot)
+    assert status == 200 and json.loads(body)["steps"] == 1
+    reset(server)
+    stats = statistics(server)
+    assert stats["steps"] == 0 and stats["drift"] == 0.0
+
+
+def test_metrics_are_exposed(server, pixels):
+    server.client.infer(NAME, [tensor_input(pixels[:4])])
+    status, body = http_call(server, "GET", "/metrics")
+    text = body.decode()
+    assert status == 200
+    for name in ("eva0_requests_total", "eva0_request_latency_seconds_bucket",
+                 "eva0_batch_rows_bucket", "eva0_adaptation_steps_total", "eva0_theta_drift"):
+        assert name in text
+    assert re.search(r'eva0_requests_total\{status="400"\} [1-9]', text)
+
+
+def test_sigkill_resumes_from_the_last_good_snapshot(tmp_path, pixels):
+    state_dir = tmp_path / "state"
+    batches = [pixels[8 * i : 8 * i + 8] for i in range(13)]
+    first = ServerProcess(tmp_path / "a.log", "--state-dir", str(state_dir),
+                          "--snapshot-every", "5")
+    for x in batches[:12]:
+        first.client.infer(NAME, [tensor_input(x)])
+    first.kill()
+    assert len(list(state_dir.glob("snapshot-*.npz"))) == 2  # steps 5 and 10
+
+    reference = offline()
+    for x in batches[:10]:
+        reference.step(x)
+    second = ServerProcess(tmp_path / "b.log", "--state-dir", str(state_dir))
+    try:
+        assert statistics(second)["steps"] == 10
+        status, snapshot = http_call(second, "GET", f"/v2/models/{NAME}/adaptation/state")
+        np.testing.assert_allclose(decode_state(snapshot)[0].theta, reference.state.theta,
+                                   atol=1e-6)
+        logits = second.client.infer(NAME, [tensor_input(batches[10])]).as_numpy("logits")
+        np.testing.assert_allclose(logits, reference.step(batches[10]), rtol=1e-4, atol=1e-4)
+    finally:
+        assert second.stop(), second.log()  # graceful: a final snapshot at step 11
+
+    newest = max(state_dir.glob("snapshot-*.npz"))
+    (state_dir / "snapshot-99999999.npz").write_bytes(newest.read_bytes()[:-50])
+    third = ServerProcess(tmp_path / "c.log", "--state-dir", str(state_dir))
+    try:
+        assert statistics(third)["steps"] == 11
+        assert "snapshot refused" in third.log()
+    finally:
+        third.stop()
