@@ -183,11 +183,8 @@ def _cmd_bench(args: argparse.Namespace) -> None:
 def _cmd_serve(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    try:
-        from .server import ServeOptions, run_server
-    except ImportError as err:
-        raise _missing_extra("serve", "serve", err) from err
     from .engine import AdaptiveModel
+    from .server import ServeOptions, run_server
 
     model = AdaptiveModel.load(
         args.model, args.method, parse_key_values(args.set or []), args.seed, args.provider,

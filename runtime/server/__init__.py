@@ -1,6 +1,4 @@
 """``eva0-edge serve``: an Open Inference Protocol (KServe v2) HTTP server that adapts online.
-
-Needs the ``[serve]`` extra (FastAPI, uvicorn, prometheus-client).
 """
 
 from .app import ServeOptions, create_app
