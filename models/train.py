@@ -1,7 +1,7 @@
 """Recipe: train a small source model on clean Fashion-MNIST (32x32 RGB) on the CPU, export it
 as an adaptable ONNX model with source feature statistics, and log what happened.
 
-    python models/train.py --arch vit_fmnist --epochs 7 --seed 0
+    python models/train.py --arch vit_fmnist --epochs 12 --no-flip --seed 0
     python models/train.py --arch resnet_gn_fmnist --epochs 6 --seed 0
 
 Training uses the train split minus the 5000 held-out validation images
@@ -43,12 +43,12 @@ def to_tensor(images: np.ndarray, mean: float, std: float) -> torch.Tensor:
     return (x - mean) / std
 
 
-def augment(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Random 2-pixel shifts (zero padding) and horizontal flips, per sample."""
+def augment(x: torch.Tensor, generator: torch.Generator, flip: bool) -> torch.Tensor:
+    """Random 2-pixel shifts (background padding) and, if ``flip``, horizontal flips."""
     n = x.shape[0]
     padded = F.pad(x, (2, 2, 2, 2), value=float(x.min()))
     shifts = torch.randint(0, 5, (n, 2), generator=generator)
-    flips = torch.rand(n, generator=generator) < 0.5
+    flips = (torch.rand(n, generator=generator) < 0.5) & flip
     out = torch.empty_like(x)
     for i in range(n):
         dy, dx = int(shifts[i, 0]), int(shifts[i, 1])
@@ -68,7 +68,8 @@ def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: in
 
 
 def train(
-    arch: str, epochs: int, seed: int, batch_size: int, lr: float, device: str = "cpu"
+    arch: str, epochs: int, seed: int, batch_size: int, lr: float, device: str = "cpu",
+    flip: bool = True,
 ) -> dict:
     torch.manual_seed(seed)
     torch.set_num_threads(os.cpu_count() or 1)
@@ -94,7 +95,7 @@ def train(
         else 0.5 * (1 + np.cos(np.pi * (s - warmup) / max(1, total - warmup))),
     )
     log = {"arch": arch, "seed": seed, "epochs": [], "batch_size": batch_size, "lr": lr,
-           "device": device,
+           "flip": flip, "device": device,
            "load_average_start": os.getloadavg(), "threads": torch.get_num_threads()}
     start = time.time()
     for epoch in range(epochs):
@@ -104,7 +105,7 @@ def train(
         bar = tqdm(range(steps_per_epoch), desc=f"{arch} epoch {epoch + 1}/{epochs}")
         for step in bar:
             idx = order[step * batch_size : (step + 1) * batch_size]
-            logits = model(augment(x_train[idx], generator).to(device))
+            logits = model(augment(x_train[idx], generator, flip).to(device))
             loss = F.cross_entropy(logits, y_train[idx].to(device), label_smoothing=0.1)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -149,10 +150,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--device", default="cpu", help="torch device (the recipe is CPU)")
+    parser.add_argument("--no-flip", action="store_true", help="shifts only (the ViT recipe)")
     parser.add_argument("--no-export", action="store_true", help="train and log only")
     args = parser.parse_args()
     log, model, clean = train(
-        args.arch, args.epochs, args.seed, args.batch_size, args.lr, args.device
+        args.arch, args.epochs, args.seed, args.batch_size, args.lr, args.device, not args.no_flip
     )
     if args.no_export:
         print(json.dumps(log["epochs"]))
