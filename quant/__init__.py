@@ -1,0 +1,35 @@
+"""Post-training quantization of adaptable models (onnx + onnxruntime; no torch).
+
+* ``ptq4vit``: PTQ4ViT-like fake quantization at 8 or 6 bits (:mod:`.ptq4vit`);
+* ``int8``: an integer-kernel QDQ encoding ONNX Runtime's CPU provider runs fast (:mod:`.int8`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from eva0_edge.runtime.metadata import ModelMetadata
+
+SCHEMES = ("ptq4vit", "int8")
+
+
+def quantize_model(
+    model: str | os.PathLike,
+    output: str | os.PathLike,
+    bits: int,
+    calibration: np.ndarray,
+    scheme: str = "ptq4vit",
+) -> ModelMetadata:
+    """Quantize ``model`` to ``output`` with ``scheme`` at ``bits``; ``calibration`` holds the
+    normalised calibration images float32 [N, C, H, W]. Returns the new file's metadata."""
+    if scheme == "ptq4vit":
+        from .ptq4vit import quantize_ptq4vit
+
+        return quantize_ptq4vit(model, output, bits, calibration)
+    if scheme == "int8":
+        from .int8 import quantize_int8
+
+        return quantize_int8(model, output, bits, calibration)
+    raise ValueError(f"unknown scheme {scheme!r}; schemes: {', '.join(SCHEMES)}")

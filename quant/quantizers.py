@@ -1,0 +1,138 @@
+"""Fake quantizers (quantize then dequantize, in float), as NumPy functions for the scale search
+and as ONNX node sequences for the quantized graph. Both compute exactly the same thing.
+
+* uniform: symmetric signed k-bit, ``q = clip(round(x / s), -2^(k-1), 2^(k-1) - 1) * s``; ``s``
+  is a scalar, or has a shape that broadcasts along one axis (per output channel, per head);
+* twin uniform (PTQ4ViT, Yuan et al. 2022) splits the k-bit code into one range bit and k-1
+  value bits over two uniform ranges:
+  - post-softmax values in [0, 1]: R2 = [0, 1] with step 2^(1-k), R1 = [0, 2^(k-1) d1) with a
+    finer step d1 = 2^(1-k) / 2^m; values below R1's end use R1;
+  - post-GELU values in [-0.17, inf): R1 = [-2^(k-1) d1, 0] for the negative part with
+    d1 = 0.17 / 2^(k-1) (GELU's minimum is -0.170), R2 = [0, (2^(k-1) - 1) d2] for the positive
+    part with d2 = 2^m d1, so the two steps differ by a power of two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from onnx import helper, numpy_helper
+
+GELU_MIN = 0.17
+
+
+def uniform(x: np.ndarray, scale: np.ndarray | float, bits: int) -> np.ndarray:
+    """Symmetric signed k-bit fake quantization of ``x`` with step ``scale``."""
+    low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    return np.clip(np.round(x / scale), low, high) * scale
+
+
+def _clipped(x: np.ndarray, scale: float, low: int, high: int) -> np.ndarray:
+    return np.clip(np.round(x / scale), low, high) * scale
+
+
+def twin_softmax(x: np.ndarray, m: int, bits: int) -> np.ndarray:
+    """Twin-uniform fake quantization of post-softmax values (see the module docstring)."""
+    levels = 2 ** (bits - 1)
+    d2 = 1.0 / levels
+    d1 = d2 / 2**m
+    return np.where(
+        x < levels * d1, _clipped(x, d1, 0, levels - 1), _clipped(x, d2, 0, levels - 1)
+    )
+
+
+def twin_gelu(x: np.ndarray, m: int, bits: int) -> np.ndarray:
+    """Twin-uniform fake quantization of post-GELU values (see the module docstring)."""
+    levels = 2 ** (bits - 1)
+    d1 = GELU_MIN / levels
+    d2 = d1 * 2**m
+    return np.where(x < 0, _clipped(x, d1, -levels, 0), _clipped(x, d2, 0, levels - 1))
+
+
+@dataclass
+class Quantizer:
+    """A chosen activation quantizer. ``kind``: 'uniform' (``scale``: scalar, or an array
+    broadcasting over the tensor, e.g. [1, H, 1, 1] per head), 'twin_softmax' or 'twin_gelu'
+    (``m``: the power-of-two ratio of the two steps)."""
+
+    kind: str
+    bits: int
+    scale: np.ndarray | None = None
+    m: int = 0
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        if self.kind == "uniform":
+            return uniform(x, self.scale, self.bits)
+        if self.kind == "twin_softmax":
+            return twin_softmax(x, self.m, self.bits)
+        if self.kind == "twin_gelu":
+            return twin_gelu(x, self.m, self.bits)
+        raise ValueError(f"unknown quantizer kind {self.kind!r}")
+
+    def describe(self) -> dict:
+        out = {"kind": self.kind, "bits": self.bits}
+        if self.kind == "uniform":
+            out["scale"] = np.asarray(self.scale).reshape(-1).tolist()
+        else:
+            out["m"] = self.m
+        return out
+
+
+class _Builder:
+    """Appends nodes and constants with unique names under ``prefix``."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.nodes: list = []
+        self.initializers: list = []
+        self._count = 0
+
+    def name(self, what: str) -> str:
+        self._count += 1
+        return f"{self.prefix}/{what}_{self._count}"
+
+    def const(self, value, what: str) -> str:
+        name = self.name(what)
+        self.initializers.append(numpy_helper.from_array(np.asarray(value, np.float32), name))
+        return name
+
+    def op(self, op_type: str, inputs: list[str], what: str) -> str:
+        out = self.name(what)
+        self.nodes.append(helper.make_node(op_type, inputs, [out], name=out))
+        return out
+
+
+def _fake(b: _Builder, x: str, scale, low: float, high: float) -> str:
+    """clip(round(x / scale), low, high) * scale as ONNX nodes."""
+    s = b.const(scale, "scale")
+    q = b.op("Round", [b.op("Div", [x, s], "div")], "round")
+    q = b.op("Clip", [q, b.const(low, "low"), b.const(high, "high")], "clip")
+    return b.op("Mul", [q, s], "dequant")
+
+
+def onnx_nodes(quantizer: Quantizer, x: str, prefix: str) -> tuple[list, list, str]:
+    """(nodes, initializers, output name) computing ``quantizer`` on tensor ``x``."""
+    b = _Builder(prefix)
+    bits = quantizer.bits
+    levels = 2 ** (bits - 1)
+    if quantizer.kind == "uniform":
+        out = _fake(b, x, quantizer.scale, -levels, levels - 1)
+    elif quantizer.kind == "twin_softmax":
+        d2 = 1.0 / levels
+        d1 = d2 / 2**quantizer.m
+        fine = _fake(b, x, d1, 0, levels - 1)
+        coarse = _fake(b, x, d2, 0, levels - 1)
+        cond = b.op("Less", [x, b.const(levels * d1, "threshold")], "in_r1")
+        out = b.op("Where", [cond, fine, coarse], "twin")
+    elif quantizer.kind == "twin_gelu":
+        d1 = GELU_MIN / levels
+        d2 = d1 * 2**quantizer.m
+        negative = _fake(b, x, d1, -levels, 0)
+        positive = _fake(b, x, d2, 0, levels - 1)
+        cond = b.op("Less", [x, b.const(0.0, "zero")], "negative")
+        out = b.op("Where", [cond, negative, positive], "twin")
+    else:
+        raise ValueError(f"unknown quantizer kind {quantizer.kind!r}")
+    return b.nodes, b.initializers, out
+
