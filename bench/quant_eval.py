@@ -1,0 +1,274 @@
+"""Quantization benchmark: accuracy of FP32 / W8A8 / W6A6 with NoAdapt and EVA-0, and the speed
+of an EVA-0 step on a quantized model against FP32.
+
+    python -m eva0_edge.bench.quant_eval accuracy --model models/vit_fmnist.onnx \\
+        --scheme ptq4vit --limit 1000 --out out/quant/vit_fmnist
+    python -m eva0_edge.bench.quant_eval speed --arch vit_base_patch16_224 --batch 8 \\
+        --out out/quant/speed-vitb
+
+``accuracy``: quantizes the model (calibration: 32 clean *train* images, never test), then runs
+NoAdapt and EVA-0 on the clean test images and on the 15 severity-5 corruptions (single-domain
+protocol, batch 64, the same seeded subset of ``--limit`` images everywhere) for every
+precision; checks the paper's deployment claim (EVA-0 on the 6-bit model beats NoAdapt on FP32
+in average corrupted accuracy). ``speed``: exports the architecture with random weights (cached),
+quantizes it with the int8 scheme (and 6 bit), and times an EVA-0 step and a NoAdapt forward on
+each file, interleaved round-robin after warm-up, medians. Both write a table, JSON and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eva0_edge.quant import quantize_model
+from eva0_edge.runtime.atomic import atomic_write_bytes
+from eva0_edge.runtime.engine import AdaptiveModel
+from eva0_edge.runtime.modelfile import read_metadata
+from eva0_edge.runtime.preprocess import preprocess_uint8
+
+from .cache import cache_dir
+from .cost import environment, export_random, random_batch
+from .datasets import Domain, fmnist_c_domains
+from .fashion_mnist import load_fashion_mnist, train_val_indices
+from .protocols import run_protocol
+
+CALIBRATION_IMAGES = 32
+
+
+def calibration_images(model: str, seed: int = 0) -> np.ndarray:
+    """32 clean Fashion-MNIST *train* images (validation images excluded), preprocessed."""
+    images, _ = load_fashion_mnist("train")
+    train_idx, _ = train_val_indices(len(images))
+    pick = np.random.default_rng(seed).choice(train_idx, CALIBRATION_IMAGES, replace=False)
+    return preprocess_uint8(images[np.sort(pick)], read_metadata(model).preprocessing)
+
+
+def _accuracy_runs(path: str, domains: list[Domain], batch: int, threads: int | None) -> dict:
+    pre = read_metadata(path).preprocessing
+    out = {}
+    for method in ("noadapt", "eva0"):
+        result = run_protocol(
+            method, lambda m=method: AdaptiveModel.load(path, m, seed=0, provider="cpu",
+                                                        threads=threads),
+            domains, "single", batch, pre, progress=False,
+        )
+        clean = result.accuracy.pop("clean")
+        out[method] = {"clean": clean, "corrupted_average": result.average,
+                       "corrupted": dict(result.accuracy)}
+    return out
+
+
+def run_accuracy(
+    model: str, scheme: str, bits: list[int], limit: int | None, out_dir: Path,
+    batch: int = 64, threads: int | None = None,
+) -> dict[str, Any]:
+    """Quantize ``model`` at every ``bits`` and measure every precision (see module doc)."""
+    rng = np.random.default_rng(0)
+    test_images, test_labels = load_fashion_mnist("test")
+    indices = np.sort(rng.choice(len(test_labels), limit, replace=False)) if limit else None
+    clean = Domain("clean", 0, test_labels[indices] if limit else test_labels,
+                   images=test_images[indices] if limit else test_images)
+    domains = [clean, *fmnist_c_domains(5, "test", indices=indices)]
+    calibration = calibration_images(model)
+    files = {"fp32": model}
+    for b in bits:
+        path = out_dir / f"{Path(model).stem}.{scheme}-w{b}a{b}.onnx"
+        start = time.perf_counter()
+        quantize_model(model, path, b, calibration, scheme)
+        print(f"quantized W{b}A{b} in {time.perf_counter() - start:.1f} s -> {path}", flush=True)
+        files[f"w{b}a{b}"] = str(path)
+    env = environment()
+    results = {}
+    for precision, path in files.items():
+        results[precision] = _accuracy_runs(path, domains, batch, threads)
+        r = results[precision]
+        print(f"{precision}: clean {r['noadapt']['clean']:.2f} / {r['eva0']['clean']:.2f}, "
+              f"severity 5 {r['noadapt']['corrupted_average']:.2f} / "
+              f"{r['eva0']['corrupted_average']:.2f} (NoAdapt / EVA-0)", flush=True)
+    lowest = f"w{min(bits)}a{min(bits)}"
+    return {
+        "model": Path(model).name, "scheme": scheme, "limit": limit, "batch": batch,
+        "protocol": "single", "severity": 5, "calibration_images": CALIBRATION_IMAGES,
+        "environment_start": env, "environment_end": environment(), "results": results,
+        "claim": {
+            "text": f"EVA-0 on {lowest} beats NoAdapt on fp32 (severity-5 average)",
+            "eva0_lowest": results[lowest]["eva0"]["corrupted_average"],
+            "noadapt_fp32": results["fp32"]["noadapt"]["corrupted_average"],
+            "holds": results[lowest]["eva0"]["corrupted_average"]
+            > results["fp32"]["noadapt"]["corrupted_average"],
+        },
+    }
+
+
+def accuracy_markdown(report: dict[str, Any]) -> str:
+    lines = [
+        f"## Quantized accuracy: {report['model']} ({report['scheme']})",
+        "",
+        f"Clean test and severity-5 Fashion-MNIST-C (single-domain, batch {report['batch']}, "
+        f"{report['limit'] or 'all'} images per domain); calibration: "
+        f"{report['calibration_images']} clean train images.",
+        "",
+        "| precision | clean NoAdapt | clean EVA-0 | sev-5 NoAdapt | sev-5 EVA-0 |",
+        "|---|---|---|---|---|",
+    ]
+    for precision, r in report["results"].items():
+        lines.append(
+            f"| {precision} | {r['noadapt']['clean']:.2f} | {r['eva0']['clean']:.2f} | "
+            f"{r['noadapt']['corrupted_average']:.2f} | {r['eva0']['corrupted_average']:.2f} |"
+        )
+    claim = report["claim"]
+    lines += ["", f"{claim['text']}: {claim['eva0_lowest']:.2f} vs {claim['noadapt_fp32']:.2f} "
+              f"-> {'holds' if claim['holds'] else 'does not hold'}"]
+    return "\n".join(lines) + "\n"
+
+
+def run_speed(
+    arch: str, batch: int, repeats: int, warmup: int, threads: int | None, out_dir: Path,
+) -> dict[str, Any]:
+    """Time EVA-0 steps and NoAdapt forwards on FP32 / int8 W8A8 / int8 W6A6 files of ``arch``."""
+    fp32 = str(export_random(arch, cache_dir() / "bench-models"))
+    metadata = read_metadata(fp32)
+    calibration = random_batch(metadata, CALIBRATION_IMAGES, seed=1)
+    files = {"fp32": fp32}
+    for b in (8, 6):
+        path = out_dir / f"{arch}.int8-w{b}a{b}.onnx"
+        quantize_model(fp32, path, b, calibration, "int8")
+        files[f"int8 w{b}a{b}"] = str(path)
+    x = random_batch(metadata, batch)
+    steps = {}
+    for name, path in files.items():
+        for method in ("noadapt", "eva0"):
+            model = AdaptiveModel.load(path, method, seed=0, provider="cpu", threads=threads)
+            steps[(name, method)] = (lambda m=model: m.step(x))
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    samples: dict[tuple[str, str], list[float]] = {key: [] for key in steps}
+    env = environment()
+    for _ in range(repeats):
+        for key, step in steps.items():
+            start = time.perf_counter()
+            step()
+            samples[key].append(1000 * (time.perf_counter() - start) / batch)
+    rows = []
+    for (name, method), times in samples.items():
+        median = float(np.median(times))
+        base = float(np.median(samples[("fp32", method)]))
+        rows.append({"precision": name, "method": method, "batch": batch,
+                     "ms_per_sample": median, "speedup_vs_fp32": base / median,
+                     "samples_ms": times})
+    return {"architecture": arch, "batch": batch, "repeats": repeats, "warmup": warmup,
+            "threads": threads or "ort default", "environment_start": env,
+            "environment_end": environment(), "rows": rows}
+
+
+def speed_markdown(report: dict[str, Any]) -> str:
+    env = report["environment_start"]
+    lines = [
+        f"## Quantized speed: {report['architecture']} (random weights), batch {report['batch']}",
+        "",
+        f"CPU {env['cpu']} ({env['cores']} cores), ORT {env['onnxruntime']}, threads "
+        f"{report['threads']}, load average {env['load_average']} -> "
+        f"{report['environment_end']['load_average']}; median of {report['repeats']} "
+        "interleaved repetitions.",
+        "",
+        "| precision | method | ms / sample | speed-up vs FP32 |",
+        "|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        lines.append(f"| {r['precision']} | {r['method']} | {r['ms_per_sample']:.2f} | "
+                     f"{r['speedup_vs_fp32']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot_accuracy(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    precisions = list(report["results"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key in zip(axes, ("clean", "corrupted_average"), strict=True):
+        for offset, method in ((-0.2, "noadapt"), (0.2, "eva0")):
+            values = [report["results"][p][method][key] for p in precisions]
+            ax.bar(np.arange(len(precisions)) + offset, values, 0.4, label=method)
+        ax.set_xticks(range(len(precisions)), precisions)
+        ax.set_title("clean" if key == "clean" else "severity 5 (average of 15)")
+        ax.set_ylabel("accuracy %")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{report['model']}: {report['scheme']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_speed(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    precisions = list(dict.fromkeys(r["precision"] for r in report["rows"]))
+    for offset, method in ((-0.2, "noadapt"), (0.2, "eva0")):
+        values = [next(r["ms_per_sample"] for r in report["rows"]
+                       if r["precision"] == p and r["method"] == method) for p in precisions]
+        ax.bar(np.arange(len(precisions)) + offset, values, 0.4, label=method)
+    ax.set_xticks(range(len(precisions)), precisions)
+    ax.set_ylabel("ms per sample")
+    ax.legend()
+    ax.set_title(f"{report['architecture']}, batch {report['batch']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _write(report: dict, markdown: str, plot, out: Path, stem: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out / f"{stem}.json", json.dumps(report, indent=2).encode())
+    atomic_write_bytes(out / f"{stem}.md", markdown.encode())
+    plot(report, out / f"{stem}.png")
+    print(f"report: {out}/{stem}.md, {stem}.json, {stem}.png")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("accuracy")
+    p.add_argument("--model", required=True)
+    p.add_argument("--scheme", default="ptq4vit", choices=["ptq4vit", "int8"])
+    p.add_argument("--bits", default="8,6")
+    p.add_argument("--limit", type=int, default=1000)
+    p.add_argument("--threads", type=int)
+    p.add_argument("--out", required=True)
+    p = sub.add_parser("speed")
+    p.add_argument("--arch", default="vit_base_patch16_224")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int)
+    p.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.what == "accuracy":
+        report = run_accuracy(args.model, args.scheme, [int(b) for b in args.bits.split(",")],
+                              args.limit, out, threads=args.threads)
+        text = accuracy_markdown(report)
+        print(text)
+        _write(report, text, _plot_accuracy, out, "quant_accuracy")
+    else:
+        report = run_speed(args.arch, args.batch, args.repeats, args.warmup, args.threads, out)
+        text = speed_markdown(report)
+        print(text)
+        _write(report, text, _plot_speed, out, "quant_speed")
+
+
+if __name__ == "__main__":
+    main()
