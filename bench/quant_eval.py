@@ -10,9 +10,10 @@ of an EVA-0 step on a quantized model against FP32.
 NoAdapt and EVA-0 on the clean test images and on the 15 severity-5 corruptions (single-domain
 protocol, batch 64, the same seeded subset of ``--limit`` images everywhere) for every
 precision; checks the paper's deployment claim (EVA-0 on the 6-bit model beats NoAdapt on FP32
-in average corrupted accuracy). ``speed``: exports the architecture with random weights (cached),
-quantizes it with the int8 scheme (and 6 bit), and times an EVA-0 step and a NoAdapt forward on
-each file, interleaved round-robin after warm-up, medians. Both write a table, JSON and a PNG.
+in average corrupted accuracy). ``speed``: takes a model file, or exports the architecture with
+random weights (cached), quantizes it (int8 scheme at 8 and 6 bits, PTQ4ViT at 8), and times an
+EVA-0 step and a NoAdapt forward on each file, interleaved round-robin after warm-up, medians.
+Both write a table, JSON and a PNG.
 """
 
 from __future__ import annotations
@@ -128,17 +129,24 @@ def accuracy_markdown(report: dict[str, Any]) -> str:
 
 
 def run_speed(
-    arch: str, batch: int, repeats: int, warmup: int, threads: int | None, out_dir: Path,
+    model: str | None, arch: str | None, batch: int, repeats: int, warmup: int,
+    threads: int | None, out_dir: Path,
 ) -> dict[str, Any]:
-    """Time EVA-0 steps and NoAdapt forwards on FP32 / int8 W8A8 / int8 W6A6 files of ``arch``."""
-    fp32 = str(export_random(arch, cache_dir() / "bench-models"))
+    """Time EVA-0 steps and NoAdapt forwards on FP32, int8 W8A8 / W6A6 and PTQ4ViT W8A8 files
+    of ``model`` (calibrated on clean train images) or of ``arch`` with random weights
+    (calibrated on random images)."""
+    if model:
+        fp32, calibration = model, calibration_images(model)
+    else:
+        fp32 = str(export_random(arch, cache_dir() / "bench-models"))
+        calibration = random_batch(read_metadata(fp32), CALIBRATION_IMAGES, seed=1)
     metadata = read_metadata(fp32)
-    calibration = random_batch(metadata, CALIBRATION_IMAGES, seed=1)
+    stem = Path(fp32).stem
     files = {"fp32": fp32}
-    for b in (8, 6):
-        path = out_dir / f"{arch}.int8-w{b}a{b}.onnx"
-        quantize_model(fp32, path, b, calibration, "int8")
-        files[f"int8 w{b}a{b}"] = str(path)
+    for scheme, b in (("int8", 8), ("int8", 6), ("ptq4vit", 8)):
+        path = out_dir / f"{stem}.{scheme}-w{b}a{b}.onnx"
+        quantize_model(fp32, path, b, calibration, scheme)
+        files[f"{scheme} w{b}a{b}"] = str(path)
     x = random_batch(metadata, batch)
     steps = {}
     for name, path in files.items():
@@ -162,7 +170,8 @@ def run_speed(
         rows.append({"precision": name, "method": method, "batch": batch,
                      "ms_per_sample": median, "speedup_vs_fp32": base / median,
                      "samples_ms": times})
-    return {"architecture": arch, "batch": batch, "repeats": repeats, "warmup": warmup,
+    return {"architecture": metadata.architecture, "model": Path(fp32).name, "batch": batch,
+            "repeats": repeats, "warmup": warmup,
             "threads": threads or "ort default", "environment_start": env,
             "environment_end": environment(), "rows": rows}
 
@@ -170,7 +179,8 @@ def run_speed(
 def speed_markdown(report: dict[str, Any]) -> str:
     env = report["environment_start"]
     lines = [
-        f"## Quantized speed: {report['architecture']} (random weights), batch {report['batch']}",
+        f"## Quantized speed: {report['architecture']} ({report['model']}), batch "
+        f"{report['batch']}",
         "",
         f"CPU {env['cpu']} ({env['cores']} cores), ORT {env['onnxruntime']}, threads "
         f"{report['threads']}, load average {env['load_average']} -> "
@@ -248,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int)
     p.add_argument("--out", required=True)
     p = sub.add_parser("speed")
+    p.add_argument("--model", help="adaptable .onnx file (default: --arch, random weights)")
     p.add_argument("--arch", default="vit_base_patch16_224")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=10)
@@ -264,7 +275,8 @@ def main(argv: list[str] | None = None) -> None:
         print(text)
         _write(report, text, _plot_accuracy, out, "quant_accuracy")
     else:
-        report = run_speed(args.arch, args.batch, args.repeats, args.warmup, args.threads, out)
+        report = run_speed(args.model, args.arch, args.batch, args.repeats, args.warmup,
+                           args.threads, out)
         text = speed_markdown(report)
         print(text)
         _write(report, text, _plot_speed, out, "quant_speed")
