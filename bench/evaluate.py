@@ -59,6 +59,12 @@ def method_factory(spec: EvalSpec, name: str) -> Callable[[], StreamMethod]:
         if spec.threads:
             torch.set_num_threads(spec.threads)
         metadata = read_metadata(spec.model)
+        if metadata.quantization:
+            raise ValueError(
+                f"{name} runs in torch on float weights; {spec.model} is quantized "
+                f"({metadata.quantization['scheme']}), so the comparison would not be like for "
+                "like: evaluate it on the float model"
+            )
         model = load_torch_source(metadata, spec.torch_checkpoint)
         return lambda: BackpropTTA(name, model, metadata, None, spec.batch_size, spec.seed)
     raise ValueError(f"unknown method {name!r}; known: {', '.join(known_methods())}")

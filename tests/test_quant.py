@@ -122,3 +122,14 @@ def test_quantize_cli(calibrated_vit, tmp_path, capsys):
     assert main(["quantize", "--model", str(out), "--bits", "8", "--calib",
                  str(tmp_path / "calib.npy"), "-o", str(tmp_path / "again.onnx")]) == 2
     assert "already quantized" in capsys.readouterr().err
+
+
+def test_backprop_baselines_refuse_a_quantized_model(calibrated_vit, calibration, tmp_path):
+    from eva0_edge.bench.evaluate import EvalSpec, method_factory
+
+    out = tmp_path / "w8.onnx"
+    quantize_model(calibrated_vit, out, 8, calibration, "int8")
+    spec = EvalSpec(str(out), "fmnist-c", "single", 5, 8, ["tent"])
+    with pytest.raises(ValueError, match="quantized"):
+        method_factory(spec, "tent")
+    assert method_factory(spec, "eva0")().step(uniform_batch(8)).shape == (8, 10)
