@@ -4,6 +4,7 @@ Methods (all on the same model file, same batch of random normalised pixels):
 * ``noadapt``: one ORT forward per sample (the reference of every ratio);
 * ``eva0`` / ``zoa`` / ``spsa2-shared`` / ``eva0-dagger``: a full runtime step (perturbation
   draw, one ORT call over 2B rows with the shared prefix, losses, update);
+* ``eva0-lowmem``: the EVA-0 step with ``low_memory`` (the +/- copies as two ORT calls);
 * ``foa``: FOA's forward cost, 28 full forwards per sample (28B rows with the images tiled, so no
   prefix is shared: FOA's prompts enter at the input). The CMA-ES update itself is not timed;
 * ``tent``: TENT in torch on the same architecture and weights: forward, entropy, backward,
@@ -37,7 +38,7 @@ from eva0_edge.runtime.engine import METHODS, AdaptiveModel
 from eva0_edge.runtime.modelfile import read_metadata
 
 FOA_FORWARDS = 28
-COST_METHODS = (*sorted(METHODS), "foa", "tent")
+COST_METHODS = (*sorted(METHODS), "eva0-lowmem", "foa", "tent")
 
 
 def random_batch(metadata, batch: int, seed: int = 0) -> np.ndarray:
@@ -74,8 +75,11 @@ def make_step(
     runtime methods) a callable returning the ORT seconds accumulated so far."""
     metadata = read_metadata(model_path)
     x = random_batch(metadata, batch)
-    if method in METHODS:
-        model = AdaptiveModel.load(model_path, method, seed=0, provider="cpu", threads=threads)
+    if method in METHODS or method == "eva0-lowmem":
+        model = AdaptiveModel.load(
+            model_path, method.removesuffix("-lowmem"), seed=0, provider="cpu", threads=threads,
+            low_memory=method.endswith("-lowmem"),
+        )
         timer = _OrtTimer(model)
         return (lambda: model.step(x)), (lambda: timer.seconds)
     if method == "foa":

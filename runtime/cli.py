@@ -18,6 +18,11 @@ from .state import StateError
 
 log = logging.getLogger("eva0_edge")
 
+LOW_MEMORY_HELP = (
+    "run the +/- copies as two ORT calls: peak memory of plain inference, the shared prefix "
+    "computed twice"
+)
+
 
 def _missing_extra(command: str, extra: str, err: ImportError) -> SystemExit:
     """The exit for a subcommand whose optional dependencies are not installed."""
@@ -102,7 +107,8 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
     from .predictions import PredictionWriter
 
     model = AdaptiveModel.load(
-        args.model, args.method, parse_key_values(args.set or []), args.seed, args.provider
+        args.model, args.method, parse_key_values(args.set or []), args.seed, args.provider,
+        low_memory=args.low_memory,
     )
     if args.state and Path(args.state).is_file():
         model.load_state(args.state)
@@ -206,7 +212,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
 
     model = AdaptiveModel.load(
         args.model, args.method, parse_key_values(args.set or []), args.seed, args.provider,
-        args.threads,
+        args.threads, args.low_memory,
     )
     options = ServeOptions(
         name=args.name or Path(args.model).stem,
@@ -298,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p.add_argument("--method", default="eva0", choices=sorted(METHODS), help="default eva0")
     p.add_argument("--state", help="state file: resumed from if it exists, saved at the end")
+    p.add_argument("--low-memory", action="store_true", help=LOW_MEMORY_HELP)
     _add_runtime_options(p)
     p.set_defaults(func=_cmd_adapt)
 
@@ -340,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary-every", type=float, default=30.0,
                    help="seconds between info-level summaries (default 30)")
     p.add_argument("--threads", type=int, help="ORT intra-op threads")
+    p.add_argument("--low-memory", action="store_true", help=LOW_MEMORY_HELP)
     p.add_argument("--seed", type=int, default=0, help="perturbation seed (default 0)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="hyper-parameter override, repeatable")

@@ -151,10 +151,13 @@ class AdaptiveModel:
         seed: int = 0,
         provider: str = "auto",
         threads: int | None = None,
+        low_memory: bool = False,
     ) -> AdaptiveModel:
-        """Open an adaptable ``.onnx`` file with ONNX Runtime."""
+        """Open an adaptable ``.onnx`` file with ONNX Runtime (``low_memory``: see
+        :class:`AdaptableSession`)."""
         metadata = read_metadata(path)
-        return cls(AdaptableSession(path, metadata, provider, threads), method, config, seed)
+        session = AdaptableSession(path, metadata, provider, threads, low_memory)
+        return cls(session, method, config, seed)
 
     @property
     def method(self) -> str:

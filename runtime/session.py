@@ -63,7 +63,11 @@ class ForwardCounter:
 
 class AdaptableSession:
     """Runs ``pixel_values`` [N, C, H, W] under ``theta`` [r*N, P] and returns
-    (logits [r*N, K], features [r*N, F]). All arrays float32."""
+    (logits [r*N, K], features [r*N, F]). All arrays float32.
+
+    ``low_memory``: run the r theta copies as r ORT calls of N rows instead of one call of r*N
+    rows. Peak activation memory is then that of plain inference, at the cost of computing the
+    shared prefix r times instead of once."""
 
     def __init__(
         self,
@@ -71,8 +75,10 @@ class AdaptableSession:
         metadata: ModelMetadata,
         provider: str = "auto",
         threads: int | None = None,
+        low_memory: bool = False,
     ) -> None:
         self.metadata = metadata
+        self.low_memory = low_memory
         self.providers = resolve_providers(provider)
         self.session = ort.InferenceSession(
             str(path), session_options(threads), providers=self.providers
@@ -125,9 +131,15 @@ class AdaptableSession:
         rows, n = theta.shape[0], x.shape[0]
         if rows % n:
             raise ValueError(f"theta has {rows} rows, not a multiple of the batch {n}")
-        logits, features = self.session.run(
-            ["logits", "features"],
-            {"pixel_values": x, "theta": np.ascontiguousarray(theta, dtype=np.float32)},
-        )
+        theta = np.ascontiguousarray(theta, dtype=np.float32)
+        if self.low_memory and rows > n:
+            parts = [self._run(x, theta[j : j + n]) for j in range(0, rows, n)]
+            logits = np.concatenate([p[0] for p in parts])
+            features = np.concatenate([p[1] for p in parts])
+        else:
+            logits, features = self._run(x, theta)
         self.counter.forwards += rows
         return logits, features
+
+    def _run(self, x: np.ndarray, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return tuple(self.session.run(["logits", "features"], {"pixel_values": x, "theta": theta}))

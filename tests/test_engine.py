@@ -280,3 +280,14 @@ def test_providers_resolve_and_missing_cuda_is_a_clear_error(small_vit):
             AdaptiveModel.load(small_vit.onnx_path, "eva0", provider="cuda")
     with pytest.raises(ValueError, match="unknown provider"):
         resolve_providers("tpu")
+
+
+def test_low_memory_runs_the_same_steps(calibrated_vit):
+    """Two ORT calls of N rows (low_memory) give the one call's logits, theta and counts."""
+    one = AdaptiveModel.load(calibrated_vit, "eva0", seed=3, provider="cpu")
+    two = AdaptiveModel.load(calibrated_vit, "eva0", seed=3, provider="cpu", low_memory=True)
+    for step in range(4):
+        x = uniform_batch(8, seed=step)
+        np.testing.assert_allclose(two.step(x), one.step(x), atol=1e-5)
+    np.testing.assert_allclose(two.state.theta, one.state.theta, atol=1e-6)
+    assert two.stats()["forwards"] == one.stats()["forwards"] == 4 * 16
