@@ -33,9 +33,11 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from eva0_edge.runtime.atomic import atomic_write_bytes
 from eva0_edge.runtime.engine import METHODS, AdaptiveModel
 from eva0_edge.runtime.modelfile import read_metadata
+
+from .output import machine_line, pyplot
+from .output import write_outputs as write_bench_outputs
 
 FOA_FORWARDS = 28
 COST_METHODS = (*sorted(METHODS), "eva0-lowmem", "foa", "tent")
@@ -252,14 +254,10 @@ def run_bench(
 
 
 def markdown(report: dict[str, Any]) -> str:
-    env = report["environment_start"]
     lines = [
         f"## Step cost: {report['architecture']} ({report['model']})",
         "",
-        f"CPU {env['cpu']} ({env['cores']} cores), ORT {env['onnxruntime']}, threads "
-        f"{report['threads']}, load average {env['load_average']} -> "
-        f"{report['environment_end']['load_average']}; median of {report['repeats']} "
-        "interleaved repetitions.",
+        machine_line(report),
         "",
         "| method | batch | ms / sample | x NoAdapt | peak RSS MB | RSS x NoAdapt | outside ORT |",
         "|---|---|---|---|---|---|---|",
@@ -279,11 +277,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     methods = list(dict.fromkeys(r["method"] for r in report["rows"]))
     for m in methods:
@@ -305,10 +299,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def write_outputs(report: dict[str, Any], out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out_dir / "cost.json", json.dumps(report, indent=2).encode())
-    atomic_write_bytes(out_dir / "cost.md", markdown(report).encode())
-    plot(report, out_dir / "cost.png")
+    """``cost.json``, ``cost.md`` and ``cost.png`` in ``out_dir``."""
+    write_bench_outputs(out_dir, "cost", report, markdown(report), plot)
 
 
 def process_peak_rss_mb() -> float:

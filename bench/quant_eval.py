@@ -19,7 +19,6 @@ Both write a table, JSON and a PNG.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,6 @@ from typing import Any
 import numpy as np
 
 from eva0_edge.quant import quantize_model
-from eva0_edge.runtime.atomic import atomic_write_bytes
 from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.preprocess import preprocess_uint8
@@ -36,6 +34,7 @@ from .cache import cache_dir
 from .cost import environment, export_random, random_batch
 from .datasets import Domain, fmnist_c_domains
 from .fashion_mnist import load_fashion_mnist, train_val_indices
+from .output import machine_line, pyplot, write_outputs
 from .protocols import run_protocol
 
 CALIBRATION_IMAGES = 32
@@ -177,15 +176,11 @@ def run_speed(
 
 
 def speed_markdown(report: dict[str, Any]) -> str:
-    env = report["environment_start"]
     lines = [
         f"## Quantized speed: {report['architecture']} ({report['model']}), batch "
         f"{report['batch']}",
         "",
-        f"CPU {env['cpu']} ({env['cores']} cores), ORT {env['onnxruntime']}, threads "
-        f"{report['threads']}, load average {env['load_average']} -> "
-        f"{report['environment_end']['load_average']}; median of {report['repeats']} "
-        "interleaved repetitions.",
+        machine_line(report),
         "",
         "| precision | method | ms / sample | speed-up vs FP32 |",
         "|---|---|---|---|",
@@ -197,11 +192,7 @@ def speed_markdown(report: dict[str, Any]) -> str:
 
 
 def _plot_accuracy(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     precisions = list(report["results"])
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key in zip(axes, ("clean", "corrupted_average"), strict=True):
@@ -219,11 +210,7 @@ def _plot_accuracy(report: dict[str, Any], path: Path) -> None:
 
 
 def _plot_speed(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     precisions = list(dict.fromkeys(r["precision"] for r in report["rows"]))
     for offset, method in ((-0.2, "noadapt"), (0.2, "eva0")):
@@ -237,14 +224,6 @@ def _plot_speed(report: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def _write(report: dict, markdown: str, plot, out: Path, stem: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out / f"{stem}.json", json.dumps(report, indent=2).encode())
-    atomic_write_bytes(out / f"{stem}.md", markdown.encode())
-    plot(report, out / f"{stem}.png")
-    print(f"report: {out}/{stem}.md, {stem}.json, {stem}.png")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -273,13 +252,15 @@ def main(argv: list[str] | None = None) -> None:
                               args.limit, out, threads=args.threads)
         text = accuracy_markdown(report)
         print(text)
-        _write(report, text, _plot_accuracy, out, "quant_accuracy")
+        write_outputs(out, "quant_accuracy", report, text, _plot_accuracy)
+        print(f"report: {out}/quant_accuracy.md, .json, .png")
     else:
         report = run_speed(args.model, args.arch, args.batch, args.repeats, args.warmup,
                            args.threads, out)
         text = speed_markdown(report)
         print(text)
-        _write(report, text, _plot_speed, out, "quant_speed")
+        write_outputs(out, "quant_speed", report, text, _plot_speed)
+        print(f"report: {out}/quant_speed.md, .json, .png")
 
 
 if __name__ == "__main__":

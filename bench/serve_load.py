@@ -15,7 +15,6 @@ and ``serve_load.png``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import signal
@@ -32,10 +31,10 @@ from typing import Any
 import numpy as np
 import tritonclient.http as httpclient
 
-from eva0_edge.runtime.atomic import atomic_write_bytes
 from eva0_edge.runtime.modelfile import read_metadata
 
 from .cost import environment, random_batch
+from .output import machine_line, pyplot, write_outputs
 
 
 def _free_port() -> int:
@@ -148,13 +147,10 @@ def run_load(
 
 
 def markdown(report: dict[str, Any]) -> str:
-    env = report["environment_start"]
     lines = [
         f"## Serve load: {report['architecture']} ({report['model']})",
         "",
-        f"CPU {env['cpu']} ({env['cores']} cores), ORT {env['onnxruntime']}, server threads "
-        f"{report['threads']}, max delay {report['max_delay_ms']} ms, load average "
-        f"{env['load_average']} -> {report['environment_end']['load_average']}; clients run "
+        f"{machine_line(report)} Server max delay {report['max_delay_ms']} ms; the clients run "
         "on the same machine.",
         "",
         "| method | clients | batch | images/s | p50 ms | p99 ms | rows per step |",
@@ -170,11 +166,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for method in dict.fromkeys(r["method"] for r in report["rows"]):
         rows = [r for r in report["rows"] if r["method"] == method]
@@ -212,12 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(markdown(report))
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(out / "serve_load.json", json.dumps(report, indent=2).encode())
-        atomic_write_bytes(out / "serve_load.md", markdown(report).encode())
-        plot(report, out / "serve_load.png")
-        print(f"report: {out}/serve_load.md, serve_load.json, serve_load.png")
+        write_outputs(Path(args.out), "serve_load", report, markdown(report), plot)
+        print(f"report: {args.out}/serve_load.md, serve_load.json, serve_load.png")
 
 
 if __name__ == "__main__":

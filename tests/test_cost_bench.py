@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from eva0_edge.runtime.cli import main
+from tests.serving import MODEL
 
 
 def test_bench_writes_tables_json_and_png(small_vit, tmp_path, capsys):
@@ -58,3 +59,40 @@ def test_bench_cli_with_tent_on_random_timm_arch(tmp_path, monkeypatch, capsys):
 def test_bench_refuses_unknown_method(small_vit, capsys):
     assert main(["bench", "--model", str(small_vit.onnx_path), "--methods", "magic"]) == 2
     assert "unknown method" in capsys.readouterr().err
+
+
+def test_ort_profile_sums_kernel_time_by_operator(small_resnet_gn, tmp_path):
+    from eva0_edge.bench import ort_profile
+
+    ort_profile.main(["--model", str(small_resnet_gn.onnx_path), "--batch", "2", "--steps", "2",
+                      "--threads", "1", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "profile.json").read_text())
+    ops = {r["op"]: r for r in report["rows"]}
+    assert {"Conv", "LayerNormalization"} <= set(ops)  # GN lowered to LayerNormalization
+    assert ops["Conv"]["eva0_ms"] > ops["Conv"]["noadapt_ms"] > 0
+    assert report["total_eva0_ms"] > report["total_noadapt_ms"]
+    assert "| Conv |" in (tmp_path / "profile.md").read_text()
+
+
+def test_quant_and_serve_benchmarks_write_their_outputs(tmp_path):
+    from eva0_edge.bench import quant_eval, serve_load
+
+    model = str(MODEL)
+    quant_eval.main(["accuracy", "--model", model, "--limit", "20", "--threads", "1",
+                     "--out", str(tmp_path / "acc")])
+    report = json.loads((tmp_path / "acc" / "quant_accuracy.json").read_text())
+    assert set(report["results"]) == {"fp32", "w8a8", "w6a6"}
+    assert len(report["results"]["w6a6"]["eva0"]["corrupted"]) == 15
+    assert isinstance(report["claim"]["holds"], bool)
+    quant_eval.main(["speed", "--model", model, "--batch", "4", "--repeats", "1", "--warmup", "1",
+                     "--threads", "1", "--out", str(tmp_path / "speed")])
+    rows = json.loads((tmp_path / "speed" / "quant_speed.json").read_text())["rows"]
+    assert {r["precision"] for r in rows} == {"fp32", "int8 w8a8", "int8 w6a6", "ptq4vit w8a8"}
+    assert (tmp_path / "speed" / "quant_speed.png").stat().st_size > 10_000
+    serve_load.main(["--model", model, "--concurrency", "1,2", "--methods", "eva0",
+                     "--requests", "3", "--warmup", "1", "--threads", "1",
+                     "--out", str(tmp_path / "load")])
+    report = json.loads((tmp_path / "load" / "serve_load.json").read_text())
+    assert [r["concurrency"] for r in report["rows"]] == [1, 2]
+    assert all(r["p99_ms"] >= r["p50_ms"] > 0 for r in report["rows"])
+    assert (tmp_path / "load" / "serve_load.png").stat().st_size > 10_000

@@ -1,0 +1,46 @@
+"""What every benchmark writes (``<stem>.json``, ``<stem>.md``, ``<stem>.png``) and the line that
+records the machine beside its numbers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from eva0_edge.runtime.atomic import atomic_write_bytes
+
+
+def machine_line(report: dict[str, Any]) -> str:
+    """CPU, cores, ORT version, threads and the load average before -> after the run."""
+    env = report["environment_start"]
+    line = (
+        f"CPU {env['cpu']} ({env['cores']} cores), ORT {env['onnxruntime']}, threads "
+        f"{report['threads']}, load average {env['load_average']} -> "
+        f"{report['environment_end']['load_average']}"
+    )
+    if "repeats" in report:
+        line += f"; median of {report['repeats']} interleaved repetitions"
+    return line + "."
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_outputs(
+    out_dir: Path, stem: str, report: dict[str, Any], markdown: str,
+    plot: Callable[[dict[str, Any], Path], None] | None = None,
+) -> None:
+    """Write the report as JSON, its table as Markdown and (if given) its plot as PNG."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out_dir / f"{stem}.json", json.dumps(report, indent=2).encode())
+    atomic_write_bytes(out_dir / f"{stem}.md", markdown.encode())
+    if plot is not None:
+        plot(report, out_dir / f"{stem}.png")
