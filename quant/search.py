@@ -104,6 +104,10 @@ def search_linear(
 
 def _per_head_candidates(x: np.ndarray, bits: int) -> np.ndarray:
     """[len(ALPHAS), 1, H, 1, 1] per-head scale candidates of a [B, H, T, D] tensor."""
+    if x.ndim != 4:
+        raise NotImplementedError(
+            f"a MatMul of two activations of rank {x.ndim}; per-head scales need [B, H, T, D]"
+        )
     top = np.abs(x).max(axis=(0, 2, 3))
     top[top == 0] = 1.0
     return (ALPHAS[:, None] * top[None, :] / _qmax(bits)).reshape(len(ALPHAS), 1, -1, 1, 1)

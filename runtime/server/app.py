@@ -160,8 +160,6 @@ def create_app(model: AdaptiveModel, options: ServeOptions) -> FastAPI:
             log.info("stopped at step %d", model.state.step)
 
     app = FastAPI(title="eva0-edge", version=__version__, lifespan=lifespan)
-    app.state.worker = worker
-    app.state.metrics = metrics
 
     def check_name(name: str) -> None:
         if name != options.name:
@@ -177,7 +175,7 @@ def create_app(model: AdaptiveModel, options: ServeOptions) -> FastAPI:
 
     @app.get("/v2/health/ready")
     async def server_ready() -> Response:
-        return Response(status_code=200 if ready.is_set() else 503)
+        return Response(status_code=200 if ready.is_set() and worker.alive else 503)
 
     @app.get("/v2")
     async def server_metadata() -> dict:
@@ -215,7 +213,7 @@ def create_app(model: AdaptiveModel, options: ServeOptions) -> FastAPI:
         status = 200
         try:
             check_name(name)
-            if not ready.is_set():
+            if not ready.is_set() or not worker.alive:
                 raise ProtocolError("server is not ready", 503)
             body = await _read_body(request, limit)
             parsed, plans, x = await run_in_threadpool(

@@ -81,6 +81,10 @@ class AdaptationWorker:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self, timeout: float | None = None) -> None:
         """Finish what is queued, write a final snapshot, and end the thread."""
         self._queue.put(_STOP)
@@ -169,4 +173,7 @@ class AdaptationWorker:
         if self._steps_since_snapshot >= self.snapshot_every:
             self.snapshot_now()
         if self.on_step is not None:
-            self.on_step(StepRecord(rows, len(jobs), seconds, self.model.last.skipped))
+            try:
+                self.on_step(StepRecord(rows, len(jobs), seconds, self.model.last.skipped))
+            except Exception:  # noqa: BLE001 - metrics must never stop the worker
+                log.exception("step callback failed")
