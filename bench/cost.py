@@ -36,7 +36,7 @@ import onnxruntime as ort
 from eva0_edge.runtime.engine import METHODS, AdaptiveModel
 from eva0_edge.runtime.modelfile import read_metadata
 
-from .output import machine_line, pyplot
+from .output import machine_line, pyplot, save_figure
 from .output import write_outputs as write_bench_outputs
 
 FOA_FORWARDS = 28
@@ -293,9 +293,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.set_ylabel(label)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"step cost: {report['architecture']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write_outputs(report: dict[str, Any], out_dir: Path) -> None:

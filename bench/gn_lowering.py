@@ -13,7 +13,6 @@ Runtime interleaved, and reports medians:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 import warnings
@@ -25,8 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eva0_edge.runtime.atomic import atomic_write_bytes
 from eva0_edge.runtime.session import session_options
+
+from .output import pyplot, save_figure, write_outputs
 
 SHAPES = [(256, 56, 56), (512, 28, 28), (1024, 14, 14), (2048, 7, 7)]
 GROUPS = 32
@@ -98,17 +98,11 @@ def main() -> None:
               for r in rows]
     table = "\n".join(lines)
     print(table)
-    atomic_write_bytes(out / "gn_lowering.json", json.dumps(report, indent=2).encode())
-    atomic_write_bytes(out / "gn_lowering.md", (table + "\n").encode())
-    _plot(rows, out / "gn_lowering.png")
+    write_outputs(out, "gn_lowering", report, table + "\n", lambda _, path: _plot(rows, path))
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     shapes = list(dict.fromkeys(str(r["shape"]) for r in rows))
     for i, how in enumerate(("groupnorm", "instancenorm", "layernorm")):
@@ -117,9 +111,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     ax.set_xticks(range(len(shapes)), shapes)
     ax.set_ylabel("ms per call")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,13 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, path: Path) -> None:
+    """Lay out, write as PNG (110 dpi) and close ``fig``."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+
+
 def write_outputs(
     out_dir: Path, stem: str, report: dict[str, Any], markdown: str,
     plot: Callable[[dict[str, Any], Path], None] | None = None,

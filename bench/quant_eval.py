@@ -34,7 +34,7 @@ from .cache import cache_dir
 from .cost import environment, export_random, random_batch
 from .datasets import Domain, fmnist_c_domains
 from .fashion_mnist import load_fashion_mnist, train_val_indices
-from .output import machine_line, pyplot, write_outputs
+from .output import machine_line, pyplot, save_figure, write_outputs
 from .protocols import run_protocol
 
 CALIBRATION_IMAGES = 32
@@ -204,9 +204,7 @@ def _plot_accuracy(report: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("accuracy %")
         ax.legend(fontsize=8)
     fig.suptitle(f"{report['model']}: {report['scheme']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _plot_speed(report: dict[str, Any], path: Path) -> None:
@@ -221,9 +219,7 @@ def _plot_speed(report: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("ms per sample")
     ax.legend()
     ax.set_title(f"{report['architecture']}, batch {report['batch']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:

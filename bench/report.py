@@ -11,6 +11,7 @@ import numpy as np
 
 from eva0_edge.runtime.atomic import atomic_write_bytes
 
+from .output import pyplot, save_figure
 from .protocols import StreamResult
 
 
@@ -21,11 +22,7 @@ def _running_accuracy(result, window: int = 20) -> np.ndarray:
 
 
 def plot_stream(results: dict, title: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
     for name, r in results.items():
         if len(r.batch_correct) == 0:
@@ -49,9 +46,7 @@ def plot_stream(results: dict, title: str, path: Path) -> None:
     axes[2].set_xlabel("batch along the stream (grey lines: domain changes)")
     axes[0].legend(fontsize=8, ncol=4)
     axes[0].set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def table_rows(results: dict[str, StreamResult]) -> tuple[list[str], list[list[str]]]:

@@ -34,7 +34,7 @@ import tritonclient.http as httpclient
 from eva0_edge.runtime.modelfile import read_metadata
 
 from .cost import environment, random_batch
-from .output import machine_line, pyplot, write_outputs
+from .output import machine_line, pyplot, save_figure, write_outputs
 
 
 def _free_port() -> int:
@@ -180,9 +180,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.set_ylabel(label)
         ax.legend(fontsize=8)
     fig.suptitle(f"serve load: {report['architecture']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
