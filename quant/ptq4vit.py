@@ -25,7 +25,7 @@ from eva0_edge.runtime.modelfile import load_onnx, read_metadata, save_onnx, set
 
 from .points import ActivationPoint, WeightPoint, find_points
 from .quantizers import Quantizer, onnx_nodes, uniform
-from .search import MAX_ROWS, as_matmul, search_attention, search_linear
+from .search import as_matmul, search_attention, search_linear, subsample_rows
 
 
 def capture(model: onnx.ModelProto, names: set[str], x: np.ndarray, theta0: np.ndarray):
@@ -79,8 +79,7 @@ def _search_all(
                 bias = numpy_helper.to_array(initializers[node.input[2]]).astype(np.float32)
             w_index = 1 - act.index
             x2, w2, to_weight = as_matmul(node, values[act.tensor], weight, w_index)
-            if len(x2) > MAX_ROWS:
-                x2 = x2[rng.choice(len(x2), MAX_ROWS, replace=False)]
+            x2 = subsample_rows(x2, rng)
             quantizer, scales = search_linear(act.kind, x2, w2, bits, bias)
             quantizers[(name, act.index)] = quantizer
             weight_scales[point.tensor] = to_weight(scales)

@@ -67,7 +67,8 @@ def as_matmul(node: onnx.NodeProto, x: np.ndarray, weight: np.ndarray, index: in
     return x.reshape(-1, x.shape[-1]), weight, lambda s: s.reshape(1, -1)
 
 
-def _rows(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+def subsample_rows(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """At most MAX_ROWS rows of ``x``, drawn without replacement."""
     return x if len(x) <= MAX_ROWS else x[rng.choice(len(x), MAX_ROWS, replace=False)]
 
 
