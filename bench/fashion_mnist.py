@@ -74,6 +74,7 @@ def _load(split: str, root: Path) -> tuple[np.ndarray, np.ndarray]:
 
 VAL_SIZE = 5000
 SPLIT_SEED = 0
+CALIBRATION_IMAGES = 5000  # clean training images behind a shipped model's source statistics
 
 
 def train_val_indices(n_train: int = 60000, val_size: int = VAL_SIZE, seed: int = SPLIT_SEED):
@@ -84,3 +85,11 @@ def train_val_indices(n_train: int = 60000, val_size: int = VAL_SIZE, seed: int 
     """
     order = np.random.default_rng(seed).permutation(n_train)
     return np.sort(order[val_size:]), np.sort(order[:val_size])
+
+
+def clean_training_images() -> np.ndarray:
+    """The clean images the source models train on (train split minus validation), uint8
+    [N, 32, 32, 3]."""
+    images, _ = load_fashion_mnist("train")
+    train_idx, _ = train_val_indices(len(images))
+    return images[train_idx]

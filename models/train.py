@@ -1,7 +1,7 @@
 """Recipe: train a small source model on clean Fashion-MNIST (32x32 RGB) on the CPU, export it
 as an adaptable ONNX model with source feature statistics, and log what happened.
 
-    python models/train.py --arch vit_fmnist --epochs 12 --no-flip --seed 0
+    python models/train.py --arch vit_fmnist --epochs 11 --no-flip --compile --seed 0
     python models/train.py --arch resnet_gn_fmnist --epochs 6 --seed 0
 
 Training uses the train split minus the 5000 held-out validation images
@@ -25,16 +25,18 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from eva0_edge.bench.cache import cache_dir
-from eva0_edge.bench.fashion_mnist import CLASS_NAMES, load_fashion_mnist, train_val_indices
+from eva0_edge.bench.fashion_mnist import (
+    CALIBRATION_IMAGES,
+    CLASS_NAMES,
+    load_fashion_mnist,
+    train_val_indices,
+)
 from eva0_edge.bench.testbed_archs import ARCHS
 from eva0_edge.exporter import export_model
-from eva0_edge.runtime.calibrate import feature_statistics, write_source_stats
-from eva0_edge.runtime.data import InputStream
+from eva0_edge.runtime.calibrate import calibrate_with_images
 from eva0_edge.runtime.metadata import Preprocessing
-from eva0_edge.runtime.session import AdaptableSession
 
 MODELS_DIR = Path(__file__).resolve().parent
-CALIBRATION_IMAGES = 5000
 
 
 def to_tensor(images: np.ndarray, mean: float, std: float) -> torch.Tensor:
@@ -67,9 +69,22 @@ def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: in
     return 100.0 * correct / len(x)
 
 
+def compiled_for_training(model: torch.nn.Module) -> torch.nn.Module:
+    """``torch.compile`` the model (a view sharing its parameters) for the training steps.
+
+    Attention runs as plain matmul + softmax: at 65 tokens and head width 32, PyTorch's fused
+    CPU flash-attention kernel is slower than the three small matmuls. On this CPU (2 cores) a
+    ViT training step at batch 128 takes 0.86x the eager step's time with both changes.
+    """
+    for module in model.modules():
+        if hasattr(module, "fused_attn"):
+            module.fused_attn = False
+    return torch.compile(model)
+
+
 def train(
     arch: str, epochs: int, seed: int, batch_size: int, lr: float, device: str = "cpu",
-    flip: bool = True,
+    flip: bool = True, compile_model: bool = False,
 ) -> dict:
     torch.manual_seed(seed)
     torch.set_num_threads(os.cpu_count() or 1)
@@ -84,6 +99,7 @@ def train(
     x_test, y_test = to_tensor(test_images, mean, std), torch.from_numpy(test_labels)
 
     model = ARCHS[arch]().to(device)
+    train_model = compiled_for_training(model) if compile_model else model
     x_test, y_test = x_test.to(device), y_test.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05)
     steps_per_epoch = len(x_train) // batch_size
@@ -95,7 +111,7 @@ def train(
         else 0.5 * (1 + np.cos(np.pi * (s - warmup) / max(1, total - warmup))),
     )
     log = {"arch": arch, "seed": seed, "epochs": [], "batch_size": batch_size, "lr": lr,
-           "flip": flip, "device": device,
+           "flip": flip, "compile": compile_model, "device": device,
            "load_average_start": os.getloadavg(), "threads": torch.get_num_threads()}
     start = time.time()
     for epoch in range(epochs):
@@ -103,22 +119,23 @@ def train(
         order = torch.randperm(len(x_train), generator=generator)
         epoch_start = time.time()
         bar = tqdm(range(steps_per_epoch), desc=f"{arch} epoch {epoch + 1}/{epochs}")
+        losses = []
         for step in bar:
             idx = order[step * batch_size : (step + 1) * batch_size]
-            logits = model(augment(x_train[idx], generator, flip).to(device))
+            logits = train_model(augment(x_train[idx], generator, flip).to(device))
             loss = F.cross_entropy(logits, y_train[idx].to(device), label_smoothing=0.1)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             scheduler.step()
+            losses.append(loss.detach())
             if step % 50 == 0:
                 bar.set_postfix(loss=f"{loss.item():.3f}")
-        test_acc = accuracy(model, x_test, y_test)
         log["epochs"].append({"epoch": epoch + 1, "seconds": time.time() - epoch_start,
-                              "test_accuracy": test_acc})
-        print(f"epoch {epoch + 1}: clean test accuracy {test_acc:.2f}%", flush=True)
+                              "train_loss": float(torch.stack(losses).mean())})
     log["train_seconds"] = time.time() - start
-    log["clean_test_accuracy"] = log["epochs"][-1]["test_accuracy"]
+    log["clean_test_accuracy"] = accuracy(model, x_test, y_test)
+    print(f"clean test accuracy {log['clean_test_accuracy']:.2f}%", flush=True)
     log["load_average_end"] = os.getloadavg()
     log["mean"], log["std"] = mean, std
     checkpoint = cache_dir() / "checkpoints" / f"{arch}.pth"
@@ -132,14 +149,8 @@ def train(
 def export_and_calibrate(arch: str, model: torch.nn.Module, log: dict, clean: np.ndarray) -> Path:
     out = MODELS_DIR / f"{arch}.onnx"
     pre = Preprocessing((3, 32, 32), (log["mean"],) * 3, (log["std"],) * 3, "bilinear", 1.0)
-    metadata = export_model(arch, out, model=model, labels=CLASS_NAMES, preprocessing=pre)
-    rng = np.random.default_rng(log["seed"])
-    subset = clean[rng.choice(len(clean), CALIBRATION_IMAGES, replace=False)]
-    session = AdaptableSession(out, metadata, "cpu")
-    stream = InputStream([str(i) for i in range(len(subset))], None, subset, None, pre)
-    mean, std = feature_statistics(session, stream, 250, progress=False)
-    write_source_stats(out, out, mean, std)
-    return out
+    export_model(arch, out, model=model, labels=CLASS_NAMES, preprocessing=pre)
+    return calibrate_with_images(out, clean, CALIBRATION_IMAGES, log["seed"])
 
 
 def main() -> None:
@@ -151,10 +162,13 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--device", default="cpu", help="torch device (the recipe is CPU)")
     parser.add_argument("--no-flip", action="store_true", help="shifts only (the ViT recipe)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the training steps (the ViT recipe)")
     parser.add_argument("--no-export", action="store_true", help="train and log only")
     args = parser.parse_args()
     log, model, clean = train(
-        args.arch, args.epochs, args.seed, args.batch_size, args.lr, args.device, not args.no_flip
+        args.arch, args.epochs, args.seed, args.batch_size, args.lr, args.device, not args.no_flip,
+        args.compile,
     )
     if args.no_export:
         print(json.dumps(log["epochs"]))

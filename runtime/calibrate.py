@@ -52,3 +52,23 @@ def write_source_stats(
     metadata.arrays["source_mean"] = np.asarray(mean, dtype=np.float32)
     metadata.arrays["source_std"] = np.asarray(std, dtype=np.float32)
     return save_onnx(set_metadata(model, metadata), output)
+
+
+def calibrate_with_images(
+    model_path: str | os.PathLike,
+    images: np.ndarray,
+    count: int | None = None,
+    seed: int = 0,
+    batch_size: int = 250,
+    progress: bool = False,
+) -> Path:
+    """Write source statistics into ``model_path`` from clean uint8 images [N, H, W, C]
+    (``count`` of them drawn without replacement with ``seed``, else all)."""
+    metadata = read_metadata(model_path)
+    if count is not None and count < len(images):
+        images = images[np.random.default_rng(seed).choice(len(images), count, replace=False)]
+    session = AdaptableSession(model_path, metadata, "cpu")
+    stream = InputStream([str(i) for i in range(len(images))], None, images, None,
+                         metadata.preprocessing)
+    mean, std = feature_statistics(session, stream, batch_size, progress=progress)
+    return write_source_stats(model_path, model_path, mean, std)
