@@ -1,19 +1,20 @@
 """``eva0-edge bench``: what one step costs, per sample, side by side in one process.
 
-Methods (all on the same model file, same batch of random normalised pixels):
+Methods (all on the same batch of random normalised pixels):
 * ``noadapt``: one ORT forward per sample (the reference of every ratio);
 * ``eva0`` / ``zoa`` / ``spsa2-shared`` / ``eva0-dagger``: a full runtime step (perturbation
   draw, one ORT call over 2B rows with the shared prefix, losses, update);
 * ``eva0-lowmem``: the EVA-0 step with ``low_memory`` (the +/- copies as two ORT calls);
-* ``foa``: FOA's forward cost, 28 full forwards per sample (28B rows with the images tiled, so no
-  prefix is shared: FOA's prompts enter at the input). The CMA-ES update itself is not timed;
+* ``foa`` / ``foa-dagger`` / ``eva0-clubs``: the prompt methods' full steps (FOA: CMA-ES ask,
+  one ORT call over 28B rows, fitness, tell, activation shift) on the prompt variant of the same
+  weights (``--arch`` exports it; ``name@FP`` sets #FP);
 * ``tent``: TENT in torch on the same architecture and weights: forward, entropy, backward,
   SGD on every norm affine.
 
 Timing: warm-up, then repetitions interleaved across methods (round-robin, so a load spike hits
 all of them), medians. Peak memory: each (method, batch) runs again in its own process and
-reports its peak RSS (``ru_maxrss``). The share of an EVA-0 step spent outside ORT is measured by
-timing ``session.run`` inside the step.
+reports its peak RSS (``ru_maxrss``). The share of a runtime step spent outside ORT is measured
+by timing the session's ORT calls inside the step.
 """
 
 from __future__ import annotations
@@ -33,14 +34,26 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from eva0_edge.runtime.engine import METHODS, AdaptiveModel
+from eva0_edge.runtime.calibrate import calibrate_with_images
+from eva0_edge.runtime.engine import AdaptiveModel
+from eva0_edge.runtime.methods import RUNTIME_METHODS, base_name, is_prompt_method, load_method
 from eva0_edge.runtime.modelfile import read_metadata
 
 from .output import machine_line, pyplot, save_figure
 from .output import write_outputs as write_bench_outputs
 
-FOA_FORWARDS = 28
-COST_METHODS = (*sorted(METHODS), "eva0-lowmem", "foa", "tent")
+COST_METHODS = (*RUNTIME_METHODS, "eva0-lowmem", "tent")
+PROMPT_TOKENS = 3
+
+
+def check_cost_method(name: str) -> None:
+    """ValueError unless ``name`` is a cost method (runtime methods may carry ``@FP``)."""
+    if name in ("eva0-lowmem", "tent"):
+        return
+    try:
+        base_name(name)
+    except ValueError:
+        raise ValueError(f"unknown method {name!r}; known: {', '.join(COST_METHODS)}") from None
 
 
 def random_batch(metadata, batch: int, seed: int = 0) -> np.ndarray:
@@ -54,52 +67,51 @@ def random_batch(metadata, batch: int, seed: int = 0) -> np.ndarray:
 
 
 class _OrtTimer:
-    """Wraps an AdaptableSession's ``run`` to add up the seconds spent inside ORT."""
+    """Wraps an AdaptableSession's ORT calls to add up the seconds spent inside ORT."""
 
     def __init__(self, model: AdaptiveModel) -> None:
         self.seconds = 0.0
-        inner = model.session.run
+        inner = model.session._run_copies
 
-        def timed(x, theta):
+        def timed(*args):
             start = time.perf_counter()
             try:
-                return inner(x, theta)
+                return inner(*args)
             finally:
                 self.seconds += time.perf_counter() - start
 
-        model.session.run = timed
+        model.session._run_copies = timed
 
 
 def make_step(
-    method: str, model_path: str, batch: int, threads: int | None, torch_model_fn=None
+    method: str, model_path: str, batch: int, threads: int | None, torch_model_fn=None,
+    prompt_model: str | None = None,
 ) -> tuple[Callable[[], None], Callable[[], float] | None]:
     """A zero-argument callable doing one step of ``method`` on a fixed batch, and (for
-    runtime methods) a callable returning the ORT seconds accumulated so far."""
+    runtime methods) a callable returning the ORT seconds accumulated so far. Prompt methods
+    run on ``prompt_model``."""
     metadata = read_metadata(model_path)
     x = random_batch(metadata, batch)
-    if method in METHODS or method == "eva0-lowmem":
-        model = AdaptiveModel.load(
-            model_path, method.removesuffix("-lowmem"), seed=0, provider="cpu", threads=threads,
+    if method != "tent":
+        path = model_path
+        if method != "eva0-lowmem" and is_prompt_method(method):
+            if prompt_model is None:
+                raise ValueError(f"{method} needs a prompt model (--prompt-model or --arch)")
+            path = prompt_model
+        model = load_method(
+            path, method.removesuffix("-lowmem"), seed=0, provider="cpu", threads=threads,
             low_memory=method.endswith("-lowmem"),
         )
         timer = _OrtTimer(model)
         return (lambda: model.step(x)), (lambda: timer.seconds)
-    if method == "foa":
-        model = AdaptiveModel.load(model_path, "noadapt", provider="cpu", threads=threads)
-        tiled = np.concatenate([x] * FOA_FORWARDS)
-        theta = np.tile(metadata.theta0, (FOA_FORWARDS * batch, 1))
-        session = model.session
-        return (lambda: session.run(tiled, theta)), None
-    if method == "tent":
-        import torch
+    import torch
 
-        from .backprop import BackpropTTA
+    from .backprop import BackpropTTA
 
-        if threads:
-            torch.set_num_threads(threads)
-        tta = BackpropTTA("tent", torch_model_fn(), metadata, None, batch)
-        return (lambda: tta.step(x)), None
-    raise ValueError(f"unknown cost method {method!r}; known: {COST_METHODS}")
+    if threads:
+        torch.set_num_threads(threads)
+    tta = BackpropTTA("tent", torch_model_fn(), metadata, None, batch)
+    return (lambda: tta.step(x)), None
 
 
 @dataclass
@@ -122,9 +134,12 @@ def time_methods(
     warmup: int,
     threads: int | None,
     torch_model_fn=None,
+    prompt_model: str | None = None,
 ) -> list[CostRow]:
     """Interleaved timing of every method at one batch size; medians in ms per sample."""
-    steps = {m: make_step(m, model_path, batch, threads, torch_model_fn) for m in methods}
+    steps = {
+        m: make_step(m, model_path, batch, threads, torch_model_fn, prompt_model) for m in methods
+    }
     for _ in range(warmup):
         for step, _ in steps.values():
             step()
@@ -149,11 +164,12 @@ def time_methods(
 
 def peak_rss_mb(
     model_path: str, method: str, batch: int, steps: int, threads: int | None,
-    torch_spec: dict | None,
+    torch_spec: dict | None, prompt_model: str | None = None,
 ) -> float:
     """Peak RSS (MB) of a fresh process that loads the model and runs ``steps`` steps."""
     cmd = [sys.executable, "-m", "eva0_edge.bench.cost", "--worker", model_path, method,
-           str(batch), str(steps), str(threads or 0), json.dumps(torch_spec or {})]
+           str(batch), str(steps), str(threads or 0), json.dumps(torch_spec or {}),
+           prompt_model or ""]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"memory worker for {method} failed: {out.stderr[-2000:]}")
@@ -178,17 +194,48 @@ def torch_model_loader(torch_spec: dict | None, model_path: str):
     return load
 
 
-def export_random(arch: str, out_dir: Path, seed: int = 0) -> Path:
-    """Export timm ``arch`` with random weights (seeded) into ``out_dir`` once; reuse after."""
-    path = out_dir / f"{arch}-seed{seed}.onnx"
+def export_random(arch: str, out_dir: Path, seed: int = 0, prompts: int = 0) -> Path:
+    """Export timm ``arch`` with random weights (seeded) into ``out_dir`` once; reuse after.
+
+    ``prompts`` > 0: the black-box prompt variant of the same weights, its source statistics
+    taken from 64 random images (the numbers only need the real code path, not meaning)."""
+    path = out_dir / f"{arch}-seed{seed}{f'-p{prompts}' if prompts else ''}.onnx"
     if not path.is_file():
         import torch
 
         from eva0_edge.exporter import export_model
 
+        out_dir.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.stem + f".{os.getpid()}.partial.onnx")
         torch.manual_seed(seed)
-        export_model(arch, path)
+        metadata = export_model(arch, partial, prompts=prompts)
+        if prompts:
+            size = metadata.preprocessing.input_size
+            images = np.random.default_rng(seed).integers(
+                0, 256, (64, size[1], size[2], size[0]), dtype=np.uint8
+            )
+            calibrate_with_images(partial, images)
+        os.replace(partial, path)
     return path
+
+
+def bench_prompt_model(
+    model: str, arch: str | None, seed: int, given: str | None, methods: Sequence[str]
+) -> str | None:
+    """The prompt model the prompt methods of ``methods`` run on (None if there are none):
+    ``given``, else the prompt export of ``arch``'s random weights, else the shipped model's
+    prompt variant."""
+    if not any(m not in ("eva0-lowmem", "tent") and is_prompt_method(m) for m in methods):
+        return None
+    if given:
+        return given
+    if arch:
+        from .cache import cache_dir
+
+        return str(export_random(arch, cache_dir() / "bench-models", seed, PROMPT_TOKENS))
+    from .prompt_variant import prompt_variant
+
+    return str(prompt_variant(model, PROMPT_TOKENS))
 
 
 def environment() -> dict[str, Any]:
@@ -216,24 +263,27 @@ def run_bench(
     memory: bool = True,
     torch_spec: dict | None = None,
     progress: bool = True,
+    prompt_model: str | None = None,
 ) -> dict[str, Any]:
-    """Time every method at every batch size, measure peak memory, and return a report dict."""
-    unknown = [m for m in methods if m not in COST_METHODS]
-    if unknown:
-        raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(COST_METHODS)}")
+    """Time every method at every batch size, measure peak memory, and return a report dict.
+    The prompt methods run on ``prompt_model``."""
+    for m in methods:
+        check_cost_method(m)
     methods = ["noadapt", *[m for m in methods if m != "noadapt"]]
     env_start = environment()
     rows: list[CostRow] = []
     torch_fn = torch_model_loader(torch_spec, model_path) if "tent" in methods else None
     for batch in batch_sizes:
-        batch_rows = time_methods(model_path, methods, batch, repeats, warmup, threads, torch_fn)
+        batch_rows = time_methods(model_path, methods, batch, repeats, warmup, threads, torch_fn,
+                                  prompt_model)
         base = batch_rows[0].ms_per_sample
         for row in batch_rows:
             row.ratio_to_noadapt = row.ms_per_sample / base
         if memory:
             for row in batch_rows:
                 row.peak_rss_mb = peak_rss_mb(model_path, row.method, batch,
-                                              max(3, warmup + 1), threads, torch_spec)
+                                              max(3, warmup + 1), threads, torch_spec,
+                                              prompt_model)
             for row in batch_rows:
                 row.rss_ratio_to_noadapt = row.peak_rss_mb / batch_rows[0].peak_rss_mb
         rows += batch_rows
@@ -243,6 +293,7 @@ def run_bench(
                 for r in batch_rows), flush=True)
     return {
         "model": Path(model_path).name,
+        "prompt_model": Path(prompt_model).name if prompt_model else None,
         "architecture": read_metadata(model_path).architecture,
         "threads": threads or "ort default",
         "repeats": repeats,
@@ -312,10 +363,11 @@ def process_peak_rss_mb() -> float:
 
 
 def _worker(argv: list[str]) -> None:
-    model_path, method, batch, steps, threads, torch_spec = argv
+    model_path, method, batch, steps, threads, torch_spec, prompt_model = argv
     spec = json.loads(torch_spec)
     loader = torch_model_loader(spec, model_path) if method == "tent" else None
-    step, _ = make_step(method, model_path, int(batch), int(threads) or None, loader)
+    step, _ = make_step(method, model_path, int(batch), int(threads) or None, loader,
+                        prompt_model or None)
     for _ in range(int(steps)):
         step()
     print(json.dumps({"peak_rss_mb": process_peak_rss_mb()}))

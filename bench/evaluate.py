@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from eva0_edge.runtime.engine import METHODS, AdaptiveModel
+from eva0_edge.runtime.config import AdaptConfig
+from eva0_edge.runtime.foa import FOA_METHODS, FOAConfig
+from eva0_edge.runtime.methods import RUNTIME_METHODS, base_name, is_prompt_method, load_method
 from eva0_edge.runtime.modelfile import read_metadata
 
 from .datasets import Domain, fmnist_c_domains, folder_domains
@@ -39,35 +41,73 @@ class EvalSpec:
     torch_checkpoint: str | None = None
     provider: str = "auto"
     threads: int | None = None
+    prompt_model: str | None = None
 
 
 def known_methods() -> list[str]:
-    return sorted(METHODS) + list(BACKPROP)
+    return [*RUNTIME_METHODS, *BACKPROP]
+
+
+def _check_method(name: str) -> None:
+    if name not in BACKPROP:
+        try:
+            base_name(name)
+        except ValueError as err:
+            raise ValueError(f"{err}; backprop baselines: {', '.join(BACKPROP)}") from err
+
+
+def split_overrides(overrides: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``--set`` values -> (EVA-0-family settings, FOA settings); ValueError for a key that is
+    neither."""
+    engine_keys = {f.name for f in fields(AdaptConfig)}
+    foa_keys = {f.name for f in fields(FOAConfig)}
+    values = dict(overrides or {})
+    unknown = sorted(set(values) - engine_keys - foa_keys)
+    if unknown:
+        raise ValueError(
+            f"unknown hyper-parameter(s) {unknown}; known: {sorted(engine_keys | foa_keys)}"
+        )
+    return (
+        {k: v for k, v in values.items() if k in engine_keys},
+        {k: v for k, v in values.items() if k in foa_keys},
+    )
 
 
 def method_factory(spec: EvalSpec, name: str) -> Callable[[], StreamMethod]:
-    """A constructor of a fresh ``name`` method on the spec's model."""
-    if name in METHODS:
-        return lambda: AdaptiveModel.load(
-            spec.model, name, dict(spec.overrides or {}), spec.seed, spec.provider, spec.threads
+    """A constructor of a fresh ``name`` method on the spec's model (the prompt methods on its
+    prompt variant, see :func:`model_for`)."""
+    if name not in BACKPROP:
+        engine, foa = split_overrides(spec.overrides)
+        config = foa if base_name(name) in FOA_METHODS else engine
+        path = model_for(spec, name)
+        return lambda: load_method(path, name, config, spec.seed, spec.provider, spec.threads)
+    import torch
+
+    from .backprop import BackpropTTA, load_torch_source
+
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    metadata = read_metadata(spec.model)
+    if metadata.quantization:
+        raise ValueError(
+            f"{name} runs in torch on float weights; {spec.model} is quantized "
+            f"({metadata.quantization['scheme']}), so the comparison would not be like for "
+            "like: evaluate it on the float model"
         )
-    if name in BACKPROP:
-        import torch
+    model = load_torch_source(metadata, spec.torch_checkpoint)
+    return lambda: BackpropTTA(name, model, metadata, None, spec.batch_size, spec.seed)
 
-        from .backprop import BackpropTTA, load_torch_source
 
-        if spec.threads:
-            torch.set_num_threads(spec.threads)
-        metadata = read_metadata(spec.model)
-        if metadata.quantization:
-            raise ValueError(
-                f"{name} runs in torch on float weights; {spec.model} is quantized "
-                f"({metadata.quantization['scheme']}), so the comparison would not be like for "
-                "like: evaluate it on the float model"
-            )
-        model = load_torch_source(metadata, spec.torch_checkpoint)
-        return lambda: BackpropTTA(name, model, metadata, None, spec.batch_size, spec.seed)
-    raise ValueError(f"unknown method {name!r}; known: {', '.join(known_methods())}")
+def model_for(spec: EvalSpec, name: str) -> str:
+    """The file ``name`` runs on: ``spec.model``, or for a prompt method the spec's prompt model
+    (given, the model itself, or the cached prompt variant of a shipped model)."""
+    if not is_prompt_method(name):
+        return spec.model
+    if spec.prompt_model:
+        return spec.prompt_model
+    from .prompt_variant import prompt_variant
+
+    return str(prompt_variant(spec.model, torch_checkpoint=spec.torch_checkpoint))
 
 
 def load_domains(spec: EvalSpec, progress: bool = True) -> list[Domain]:
@@ -93,9 +133,9 @@ def evaluate(
     spec: EvalSpec, out_dir: str | os.PathLike | None = None, progress: bool = True
 ) -> dict[str, StreamResult]:
     """Run every method of ``spec``; write the report to ``out_dir`` if given."""
-    unknown = [m for m in spec.methods if m not in known_methods()]
-    if unknown:
-        raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(known_methods())}")
+    for name in spec.methods:
+        _check_method(name)
+    split_overrides(spec.overrides)
     if spec.batch_size < 1:
         raise ValueError("batch size must be >= 1")
     metadata = read_metadata(spec.model)

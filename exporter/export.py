@@ -18,6 +18,7 @@ from eva0_edge.runtime.modelfile import save_onnx, set_metadata
 
 from .adaptable import AdaptableModel
 from .families import Family, family_for, parse_range
+from .prompt import PromptModel, initial_prompt
 
 DEFAULT_OPSET = 18
 
@@ -88,6 +89,8 @@ def export_model(
     input_size: Sequence[int] | None = None,
     preprocessing: Preprocessing | None = None,
     opset: int = DEFAULT_OPSET,
+    prompts: int = 0,
+    prompt_seed: int = 0,
 ) -> ModelMetadata:
     """Export ``arch`` to an adaptable ONNX model at ``output``; return its metadata.
 
@@ -96,20 +99,34 @@ def export_model(
     (C, H, W); by default the size the model was built for (ViT) or timm's default (CNNs).
     ``model`` exports an already built timm model (modified in place) recorded as ``arch``;
     ``preprocessing`` replaces the one derived from timm's data config.
+
+    ``prompts`` = T > 0 exports a ViT in black-box prompt mode instead (see
+    :mod:`eva0_edge.exporter.prompt`): inputs ``pixel_values``, ``prompt`` [R, T, D] and
+    ``head_shift`` [1, D], no ``theta``; theta0 is the initial prompt drawn with
+    ``prompt_seed``.
     """
     if model is None:
         model = create_source_model(arch, checkpoint, **(model_kwargs or {}))
     model = model.eval()
     preprocessing = preprocessing or _preprocessing(model, input_size)
-    wrapper, family, theta0 = build_adaptable(model, adapt)
     num_classes = model.num_classes
     if labels is not None and len(labels) != num_classes:
         raise ValueError(f"{len(labels)} labels given for a model with {num_classes} classes")
+    labels = list(labels) if labels is not None else [f"class_{i}" for i in range(num_classes)]
+    if prompts < 0:
+        raise ValueError(f"prompts must be >= 0, got {prompts}")
+    if prompts:
+        return _export_prompt_model(
+            arch, model, prompts, prompt_seed, labels, preprocessing, opset, output
+        )
+    wrapper, family, theta0 = build_adaptable(model, adapt)
 
     pixel_values = torch.randn(2, *preprocessing.input_size)
     theta = theta0.unsqueeze(0).repeat(4, 1)
     tap_widths = wrapper.tap_widths(pixel_values, theta0.unsqueeze(0).repeat(2, 1))
-    onnx_model = _to_onnx(wrapper, pixel_values, theta, opset)
+    onnx_model = _to_onnx(
+        wrapper, (pixel_values, theta), ["pixel_values", "theta"], ["logits", "features"], opset
+    )
 
     feature_layout, offset = [], 0
     for name, width in zip(family.feature_names(), tap_widths, strict=True):
@@ -118,7 +135,7 @@ def export_model(
     metadata = ModelMetadata(
         architecture=arch,
         family=family.name,
-        labels=list(labels) if labels is not None else [f"class_{i}" for i in range(num_classes)],
+        labels=labels,
         preprocessing=preprocessing,
         theta_layout=[Segment(s.name, s.offset, s.size, s.shape) for s in family.slots],
         feature_layout=feature_layout,
@@ -131,19 +148,68 @@ def export_model(
     return metadata
 
 
+def _export_prompt_model(
+    arch: str,
+    model: torch.nn.Module,
+    tokens: int,
+    seed: int,
+    labels: list[str],
+    preprocessing: Preprocessing,
+    opset: int,
+    output: str | os.PathLike,
+) -> ModelMetadata:
+    wrapper = PromptModel(model).eval()
+    prompt0 = initial_prompt(model, tokens, seed)
+    pixel_values = torch.randn(2, *preprocessing.input_size)
+    prompt = prompt0.unsqueeze(0).repeat(4, 1, 1)
+    head_shift = torch.zeros(1, model.num_features)
+    onnx_model = _to_onnx(
+        wrapper, (pixel_values, prompt, head_shift), ["pixel_values", "prompt", "head_shift"],
+        ["logits", "features", "shifted_logits"], opset,
+    )
+    feature_layout, offset = [], 0
+    for name, width in zip(wrapper.feature_names(), wrapper.feature_widths(), strict=True):
+        feature_layout.append(Segment(name, offset, width, (width,)))
+        offset += width
+    size = prompt0.numel()
+    metadata = ModelMetadata(
+        architecture=arch,
+        family="vit",
+        labels=labels,
+        preprocessing=preprocessing,
+        theta_layout=[Segment("prompt", 0, size, tuple(prompt0.shape))],
+        feature_layout=feature_layout,
+        adapt="",
+        prefix="patch_embed + pos_embed",
+        adapted_input="prompt",
+        black_box=True,
+        recommended=recommended_for_family("vit"),
+        arrays={"theta0": prompt0.reshape(-1).numpy()},
+    )
+    save_onnx(set_metadata(onnx_model, metadata), output)
+    return metadata
+
+
 def _to_onnx(
-    wrapper: AdaptableModel, pixel_values: torch.Tensor, theta: torch.Tensor, opset: int
+    wrapper: torch.nn.Module,
+    args: tuple[torch.Tensor, ...],
+    input_names: list[str],
+    output_names: list[str],
+    opset: int,
 ) -> onnx.ModelProto:
+    """Dynamo export; the first input's dim 0 is the batch, the second's the (r * batch) rows."""
     batch = torch.export.Dim("batch", min=1)
     rows = torch.export.Dim("rows", min=1)
+    dynamic = {input_names[0]: {0: batch}, input_names[1]: {0: rows}}
+    dynamic.update({name: None for name in input_names[2:]})
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             wrapper,
-            (pixel_values, theta),
-            input_names=["pixel_values", "theta"],
-            output_names=["logits", "features"],
-            dynamic_shapes={"pixel_values": {0: batch}, "theta": {0: rows}},
+            args,
+            input_names=input_names,
+            output_names=output_names,
+            dynamic_shapes=dynamic,
             opset_version=opset,
             dynamo=True,
             optimize=True,

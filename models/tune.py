@@ -4,6 +4,11 @@ the winners in the model file as its recommended values.
 
     python models/tune.py --model models/vit_fmnist.onnx
     python models/tune.py --model models/resnet_gn_fmnist.onnx
+    python models/tune.py --model models/vit_fmnist.onnx --method eva0-clubs --lambdas 0
+
+``--method eva0-clubs`` tunes the black-box prompt method on the model's prompt variant
+(``bench.prompt_variant``): the log goes to ``models/<arch>_prompt.tune.json``, whose best values
+the prompt variant carries as its recommended ones.
 
 The grid covers the step size eta, the alignment weight lambda, and both readings of rho (the
 weight of the history, 0.999, as DESIGN reads it; the paper's literal (1 - rho) = 0.999 on the
@@ -22,6 +27,8 @@ import time
 from pathlib import Path
 
 from eva0_edge.bench.evaluate import EvalSpec, evaluate
+from eva0_edge.bench.prompt_variant import tune_log_path
+from eva0_edge.runtime.methods import is_prompt_method
 from eva0_edge.runtime.modelfile import load_onnx, read_metadata, save_onnx, set_metadata
 
 
@@ -59,7 +66,9 @@ def main() -> None:
     parser.add_argument("--lambdas", help="comma-separated grid of lambda_swa")
     parser.add_argument("--rhos", help="comma-separated grid of rho (default 0.999,0.001)")
     parser.add_argument("--log", help="tuning log (default models/<name>.tune.json)")
+    parser.add_argument("--method", default="eva0", help="eva0 (default) or eva0-clubs")
     args = parser.parse_args()
+    prompt = is_prompt_method(args.method)
     metadata = read_metadata(args.model)
     rows = []
     start = time.time()
@@ -67,10 +76,10 @@ def main() -> None:
     for config in configs:
         spec = EvalSpec(
             model=args.model, dataset="fmnist-c", protocol="single", severity=args.severity,
-            batch_size=args.batch_size, methods=["eva0"], limit=args.limit, split="val",
+            batch_size=args.batch_size, methods=[args.method], limit=args.limit, split="val",
             overrides=config, provider="cpu", threads=args.threads,
         )
-        result = evaluate(spec, progress=False)["eva0"]
+        result = evaluate(spec, progress=False)[args.method]
         rows.append({**config, "val_accuracy": result.average})
         print(json.dumps(rows[-1]), flush=True)
     baseline = evaluate(
@@ -81,19 +90,27 @@ def main() -> None:
     )["noadapt"].average
     best = max(rows, key=lambda r: r["val_accuracy"])
     chosen = {k: v for k, v in best.items() if k != "val_accuracy"}
-    model = load_onnx(args.model)
-    metadata = read_metadata(model)
-    metadata.recommended = {**metadata.recommended, **chosen}
-    save_onnx(set_metadata(model, metadata), args.model)
+    if not prompt:
+        model = load_onnx(args.model)
+        metadata = read_metadata(model)
+        metadata.recommended = {**metadata.recommended, **chosen}
+        save_onnx(set_metadata(model, metadata), args.model)
     report = {
-        "model": Path(args.model).name, "split": "val", "severity": args.severity,
+        "model": Path(args.model).name, "method": args.method, "split": "val",
+        "severity": args.severity,
         "limit": args.limit, "batch_size": args.batch_size, "noadapt_val_accuracy": baseline,
         "best": best, "grid": rows, "seconds": time.time() - start,
         "load_average": os.getloadavg(),
     }
-    out = Path(args.log) if args.log else Path(args.model).with_suffix(".tune.json")
+    if args.log:
+        out = Path(args.log)
+    else:
+        out = tune_log_path(metadata.architecture) if prompt else Path(args.model).with_suffix(
+            ".tune.json"
+        )
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"best {best} (noadapt {baseline:.2f}) -> recommended in {args.model}; log {out}")
+    target = "the prompt variant" if prompt else args.model
+    print(f"best {best} (noadapt {baseline:.2f}) -> recommended in {target}; log {out}")
 
 
 if __name__ == "__main__":

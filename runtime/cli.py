@@ -50,9 +50,15 @@ def _cmd_export(args: argparse.Namespace) -> None:
         labels=labels,
         input_size=input_size,
         opset=args.opset,
+        prompts=args.prompts,
+        prompt_seed=args.prompt_seed,
+    )
+    adapted = (
+        f"black-box prompt [R, {', '.join(map(str, metadata.theta_layout[0].shape))}]"
+        if metadata.is_prompt_model else f"theta [R, {metadata.num_params}]"
     )
     print(
-        f"wrote {args.output}: {metadata.architecture}, theta [R, {metadata.num_params}], "
+        f"wrote {args.output}: {metadata.architecture}, {adapted}, "
         f"features [R, {metadata.num_features}], {metadata.num_classes} classes"
     )
 
@@ -162,6 +168,7 @@ def _cmd_eval(args: argparse.Namespace) -> None:
         torch_checkpoint=args.torch_checkpoint,
         provider=args.provider,
         threads=args.threads,
+        prompt_model=args.prompt_model,
     )
     results = evaluate(spec, args.out, progress=not args.quiet)
     print(markdown_table(results))
@@ -177,7 +184,13 @@ def _cmd_bench(args: argparse.Namespace) -> None:
 
     try:
         from eva0_edge.bench.cache import cache_dir
-        from eva0_edge.bench.cost import export_random, markdown, run_bench, write_outputs
+        from eva0_edge.bench.cost import (
+            bench_prompt_model,
+            export_random,
+            markdown,
+            run_bench,
+            write_outputs,
+        )
     except ImportError as err:
         raise _missing_extra("bench", "bench", err) from err
     if bool(args.model) == bool(args.arch):
@@ -187,16 +200,18 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     if args.arch:
         model = str(export_random(args.arch, cache_dir() / "bench-models", args.seed))
         torch_spec = {"arch": args.arch, "seed": args.seed}
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     report = run_bench(
         model,
         [int(b) for b in args.batch_sizes.split(",")],
-        [m.strip() for m in args.methods.split(",") if m.strip()],
+        methods,
         repeats=args.repeats,
         warmup=args.warmup,
         threads=args.threads,
         memory=not args.no_memory,
         torch_spec=torch_spec,
         progress=not args.quiet,
+        prompt_model=bench_prompt_model(model, args.arch, args.seed, args.prompt_model, methods),
     )
     print(markdown(report))
     if args.out:
@@ -243,6 +258,25 @@ def _add_runtime_options(p: argparse.ArgumentParser, *, method: bool = True) -> 
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
+def _engine_method(name: str) -> str:
+    """argparse type of --method on adapt / serve: an EVA-0-family method, @FP allowed."""
+    from .engine import METHODS, parse_method
+
+    try:
+        base, _ = parse_method(name)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+    if base not in METHODS:
+        raise argparse.ArgumentTypeError(
+            f"{name!r} is not one of {', '.join(sorted(METHODS))} (FOA runs in eval / bench)"
+        )
+    return name
+
+
+METHOD_HELP = ("noadapt, eva0 (default), eva0-dagger, zoa, spsa2-shared or eva0-clubs (prompt "
+               "models); name@FP sets the forwards per sample, e.g. eva0-clubs@8")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="eva0-edge",
@@ -268,6 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-size", help="C,H,W the model expects (default: from the model)")
     p.add_argument("--labels", help="text file with one class name per line")
     p.add_argument("--opset", type=int, default=18, help="ONNX opset (default 18)")
+    p.add_argument("--prompts", type=int, default=0, metavar="T",
+                   help="ViT black-box prompt mode: T prompt tokens after CLS as the only "
+                   "adaptable input, weights frozen (for foa / foa-dagger / eva0-clubs)")
+    p.add_argument("--prompt-seed", type=int, default=0, help="initial prompt seed (default 0)")
     p.add_argument("-o", "--output", required=True, help="output .onnx path")
     p.set_defaults(func=_cmd_export)
 
@@ -300,9 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help="folder of images, .npy or .npz (the stream)")
     p.add_argument("--output", required=True, help="predictions .jsonl or .csv")
     p.add_argument("--logits", action="store_true", help="also write the logits")
-    from .engine import METHODS
-
-    p.add_argument("--method", default="eva0", choices=sorted(METHODS), help="default eva0")
+    p.add_argument("--method", default="eva0", type=_engine_method, help=METHOD_HELP)
     p.add_argument("--state", help="state file: resumed from if it exists, saved at the end")
     p.add_argument("--low-memory", action="store_true", help=LOW_MEMORY_HELP)
     _add_runtime_options(p)
@@ -318,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--protocol", default="single", choices=["single", "continual", "imbalanced"])
     p.add_argument("--severity", type=int, default=5, choices=[1, 2, 3, 4, 5])
     p.add_argument("--methods", default="noadapt,eva0", help="comma-separated; runtime methods "
-                   "plus the torch baselines tent, sar, deyo")
+                   "(name@FP sets #FP, e.g. eva0-clubs@8, foa-dagger@14) plus the torch "
+                   "baselines tent, sar, deyo")
     p.add_argument("--limit", type=int, help="images per corruption (a seeded subset)")
     p.add_argument("--split", default="test", choices=["test", "val"],
                    help="fmnist-c: test, or val (held-out train images, for tuning)")
@@ -326,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "model")
     p.add_argument("--out", help="folder for results.md / results.json / stream.png")
     p.add_argument("--threads", type=int, help="intra-op threads of ORT and torch")
+    p.add_argument("--prompt-model", help="prompt model (export --prompts) for foa, foa-dagger "
+                   "and eva0-clubs (default: the shipped model's prompt variant, cached)")
     _add_runtime_options(p)
     p.set_defaults(func=_cmd_eval)
 
@@ -334,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="model name in the URLs (default: the file's stem)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="default 8000")
-    p.add_argument("--method", default="eva0", choices=sorted(METHODS), help="default eva0")
+    p.add_argument("--method", default="eva0", type=_engine_method, help=METHOD_HELP)
     p.add_argument("--max-batch", type=int, default=64,
                    help="most rows per adaptation step and per request (default 64)")
     p.add_argument("--max-delay-ms", type=float, default=10.0,
@@ -364,6 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="intra-op threads (default: ORT's / torch's)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-RSS processes")
     p.add_argument("--torch-checkpoint", help="torch weights for tent on a non-shipped model")
+    p.add_argument("--prompt-model", help="prompt model for foa / foa-dagger / eva0-clubs "
+                   "(default: exported from --arch, or the shipped model's prompt variant)")
     p.add_argument("--seed", type=int, default=0, help="weight seed for --arch (default 0)")
     p.add_argument("--out", help="folder for cost.md / cost.json / cost.png")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-batch lines")

@@ -23,6 +23,9 @@ class AdaptConfig:
     output centre and target moments (weight of the old value). momentum: SGD momentum.
     balance_beta: EMA factor of the inward/outward magnitudes (None = balancing off).
     moving_anchor: m_a of theta_anc <- m_a theta + (1 - m_a) theta_anc (None = fixed anchor).
+    forwards: forward passes per sample (#FP), even: q = forwards / 2 two-sided perturbation
+    pairs per sample in one ORT call, their estimates and their 2q outputs averaged (the paper's
+    black-box study); one-sided methods take exactly 2.
     """
 
     mu: float = 0.06
@@ -40,6 +43,7 @@ class AdaptConfig:
     balance_beta: float | None = None
     moving_anchor: float | None = None
     regenerate_z: bool = False
+    forwards: int = 2
     eps: float = 1e-8
     delta: float = 1e-8
 

@@ -2,11 +2,13 @@
 
 One step on a batch x [B, C, H, W]:
 
-1. perturbations z_i (sample-wise, or one shared z), k per 64 of them anchor-guided;
+1. perturbations z_i (sample-wise, or one shared z), k per 64 of them anchor-guided; with
+   ``forwards`` = 2q > 2, q of them per sample (or q shared ones);
 2. one ORT call over 2B rows: [theta + mu z; theta - mu z] (two-sided) or [theta; theta + mu z]
-   (one-sided), the prefix shared inside the graph;
-3. prediction: the mean of the two sides (two-sided) or the clean row (one-sided);
-4. per-side loss E_SR(o) + lambda l_SWA(h), g = (1/B) sum_i (l+_i - l-_i) / (2 mu) z_i;
+   (one-sided), the prefix shared inside the graph (2qB rows for q pairs);
+3. prediction: the mean of the two sides (of all 2q rows) or the clean row (one-sided);
+4. per-side loss E_SR(o) + lambda l_SWA(h), g = (1/B) sum_i (l+_i - l-_i) / (2 mu) z_i
+   (averaged over the qB pairs);
 5. theta <- (1 - gamma) (theta - eta g) + gamma theta_anchor; EMA of centre and moments.
 
 A non-finite loss, gradient or theta is never written: the step is skipped and counted.
@@ -74,8 +76,31 @@ METHODS: dict[str, MethodSpec] = {
             {**_PLAIN, "sample_wise": False},
             "two-sided SPSA with one batch-shared perturbation, plain entropy",
         ),
+        MethodSpec(
+            "eva0-clubs",
+            True,
+            2,
+            {"lambda_swa": 0.0},
+            "EVA-0-clubs: black-box prompt adaptation with E_SR only (prompt models); "
+            "#FP with name@FP, e.g. eva0-clubs@8",
+        ),
     )
 }
+PROMPT_ONLY = ("eva0-clubs",)
+
+
+def parse_method(name: str) -> tuple[str, dict[str, Any]]:
+    """``"eva0-clubs@8"`` -> ``("eva0-clubs", {"forwards": 8})``; a plain name has no overrides.
+
+    ``@FP`` sets the forward passes per sample (#FP) of an adapting method; ValueError if the
+    suffix is not a positive integer.
+    """
+    base, sep, fp = name.partition("@")
+    if not sep:
+        return name, {}
+    if not fp.isdigit() or int(fp) < 1:
+        raise ValueError(f"bad method {name!r}: the part after @ is #FP, e.g. {base}@8")
+    return base, {"forwards": int(fp)}
 
 REGENERATE_CHUNK_ROWS = 8
 
@@ -125,12 +150,18 @@ class AdaptiveModel:
         config: dict[str, Any] | None = None,
         seed: int = 0,
     ) -> None:
+        method, fp = parse_method(method)
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; runtime methods: {sorted(METHODS)}")
         self.session = session
         self.metadata = session.metadata
+        if method in PROMPT_ONLY and not self.metadata.is_prompt_model:
+            raise ValueError(
+                f"{method} adapts input prompts: export the ViT with `eva0-edge export "
+                "--prompts T` (this file adapts norm parameters)"
+            )
         self.spec = METHODS[method]
-        self.config = self._resolve_config(config or {})
+        self.config = self._resolve_config({**fp, **(config or {})})
         self.fingerprint = model_fingerprint(self.metadata)
         arrays = self.metadata.arrays
         self._source_stats = (
@@ -176,6 +207,12 @@ class AdaptiveModel:
             config = config.updated({"lambda_swa": 0.0})
         if config.mu <= 0 or config.eta < 0 or not 0 <= config.gamma <= 1:
             raise ValueError("need mu > 0, eta >= 0 and 0 <= gamma <= 1")
+        fp = config.forwards
+        if self.spec.adapts and (fp < 2 or fp % 2 or (fp != 2 and not config.two_sided)):
+            raise ValueError(
+                f"{self.method}: #FP (forwards) must be an even number >= 2 "
+                f"(exactly 2 for one-sided methods), got {fp}"
+            )
         return config
 
     # ----------------------------------------------------------------- state
@@ -283,7 +320,7 @@ class AdaptiveModel:
     def estimate(self, x: np.ndarray, step_index: int | None = None) -> GradientEstimate:
         """The method's zeroth-order gradient estimate on ``x`` at the current theta, from the
         perturbation stream of ``step_index`` (default: the next step), with no anchor-guided
-        rows and no change to the state. One ORT call over 2B rows."""
+        rows and no change to the state. One ORT call over #FP x B rows."""
         x = self.session.check_input(x)
         index = self.state.step if step_index is None else int(step_index)
         return self._estimate(x, index, 0)
@@ -296,19 +333,21 @@ class AdaptiveModel:
             if n_anchor
             else np.zeros_like(st.theta)
         )
+        pairs = cfg.forwards // 2
         plan = PerturbationPlan.create(
-            self.seed, step_index, batch if cfg.sample_wise else 1, n_anchor, d_bar
+            self.seed, step_index, pairs * (batch if cfg.sample_wise else 1), n_anchor, d_bar
         )
-        rows, z_all = self._perturbed_rows(plan, batch)
+        rows, z_all = self._perturbed_rows(plan, batch, pairs)
         logits, features = self.session.run(x, rows)
         self.session.counter.samples += batch
-        first, second = logits[:batch], logits[batch:]
-        h_first = features[:batch].astype(np.float64)
-        h_second = features[batch:].astype(np.float64)
+        half = pairs * batch  # rows j * B + i: pair j, sample i (each half copy-major)
+        first, second = logits[:half], logits[half:]
+        h_first = features[:half].astype(np.float64)
+        h_second = features[half:].astype(np.float64)
         if cfg.two_sided:
-            prediction = 0.5 * (first + second)
-            h_mean = 0.5 * (h_first + h_second)
-            h_sq = 0.5 * (h_first**2 + h_second**2)
+            prediction = logits.reshape(2 * pairs, batch, -1).mean(axis=0)
+            h_all = features.astype(np.float64).reshape(2 * pairs, batch, -1)
+            h_mean, h_sq = h_all.mean(axis=0), (h_all**2).mean(axis=0)
         else:
             prediction = first
             h_mean, h_sq = h_first, h_first**2
@@ -316,7 +355,7 @@ class AdaptiveModel:
             moments = (st.mean, st.second_moment)
         else:  # before the first step the target moments come from the batch itself
             moments = (h_mean.mean(axis=0), h_sq.mean(axis=0))
-        reference = prediction.astype(np.float64)
+        reference = np.tile(prediction.astype(np.float64), (pairs, 1))
         loss_first = self._loss(first, h_first, reference, moments)
         loss_second = self._loss(second, h_second, reference, moments)
         # coefficient of z_i: two-sided (l+ - l-)/(2 mu); one-sided (l_pert - l_clean)/mu
@@ -324,46 +363,50 @@ class AdaptiveModel:
             coef = (loss_first - loss_second) / (2.0 * cfg.mu)
         else:
             coef = (loss_second - loss_first) / cfg.mu
-        grad = self._gradient(plan, coef, z_all)
+        grad = self._gradient(plan, coef, z_all, pairs)
         return GradientEstimate(prediction, grad, coef, h_mean, h_sq)
 
     # ----------------------------------------------------------------- internals
     def _perturbed_rows(
-        self, plan: PerturbationPlan, batch: int
+        self, plan: PerturbationPlan, batch: int, pairs: int
     ) -> tuple[np.ndarray, np.ndarray | None]:
-        """The [2B, P] theta input; also Z [rows, P] unless it is regenerated later."""
+        """The [2qB, P] theta input (q = ``pairs``); also Z [plan rows, P] unless it is
+        regenerated later. A shared z (one per pair) fills all B rows of its pair."""
         cfg, theta = self.config, self.state.theta
-        rows = np.empty((2 * batch, theta.size), dtype=np.float32)
+        half = pairs * batch
+        rows = np.empty((2 * half, theta.size), dtype=np.float32)
         chunk = REGENERATE_CHUNK_ROWS if cfg.regenerate_z else plan.rows
         kept = []
         for sl, z in plan.chunks(chunk):
             step = cfg.mu * z
-            if not cfg.sample_wise:  # one z for the whole batch
-                sl = slice(0, batch)
+            if not cfg.sample_wise:  # one z per pair for the whole batch
+                step = np.repeat(step, batch, axis=0)
+                sl = slice(sl.start * batch, sl.stop * batch)
             if cfg.two_sided:
                 rows[sl] = theta + step
-                rows[batch + sl.start : batch + sl.stop] = theta - step
+                rows[half + sl.start : half + sl.stop] = theta - step
             else:
                 rows[sl] = theta
-                rows[batch + sl.start : batch + sl.stop] = theta + step
+                rows[half + sl.start : half + sl.stop] = theta + step
             if not cfg.regenerate_z:
                 kept.append(z)
         return rows, (np.concatenate(kept) if kept else None)
 
     def _gradient(
-        self, plan: PerturbationPlan, coef: np.ndarray, z_all: np.ndarray | None
+        self, plan: PerturbationPlan, coef: np.ndarray, z_all: np.ndarray | None, pairs: int
     ) -> np.ndarray:
-        """g = (1/B) sum_i coef_i z_i ([P] float64); Z regenerated chunk by chunk if asked."""
-        batch = coef.shape[0]
+        """g = (1/(qB)) sum_(j,i) coef_ji z_ji ([P] float64), over the q pairs of the B samples;
+        Z regenerated chunk by chunk if asked."""
+        count = coef.shape[0]
         if not self.config.sample_wise:
             z = z_all if z_all is not None else plan.draw()
-            return coef.mean() * z[0].astype(np.float64)
+            return (coef.reshape(pairs, -1).mean(axis=1) @ z.astype(np.float64)) / pairs
         if z_all is not None:
-            return (coef @ z_all.astype(np.float64)) / batch
+            return (coef @ z_all.astype(np.float64)) / count
         grad = np.zeros(plan.d_bar.size, dtype=np.float64)
         for sl, z in plan.chunks(REGENERATE_CHUNK_ROWS):
             grad += coef[sl] @ z.astype(np.float64)
-        return grad / batch
+        return grad / count
 
     def _loss(
         self,

@@ -24,8 +24,13 @@ def describe(metadata: ModelMetadata, *, full: bool = False) -> str:
         f"input            pixel_values [N, {', '.join(map(str, pre.input_size))}] float32",
         f"preprocessing    resize {pre.interpolation}, crop {pre.crop_mode} {pre.crop_pct:g}, "
         f"mean {list(pre.mean)}, std {list(pre.std)}",
-        f"adapted          {metadata.adapt} -> theta [R, {metadata.num_params}] "
-        f"({len(metadata.theta_layout)} tensors)",
+        (
+            f"adapted          black box: prompt [R, "
+            f"{', '.join(map(str, metadata.theta_layout[0].shape))}] after CLS, weights frozen"
+            if metadata.is_prompt_model
+            else f"adapted          {metadata.adapt} -> theta [R, {metadata.num_params}] "
+            f"({len(metadata.theta_layout)} tensors)"
+        ),
         f"shared prefix    {metadata.prefix} (runs once per image)",
         f"features         [R, {metadata.num_features}] from {len(metadata.feature_layout)} taps",
         f"source stats     {'yes' if metadata.has_source_stats else 'no (lambda = 0 only)'}",

@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+ADAPTED_INPUTS = ("theta", "prompt")
 META_KEY = "eva0_edge.meta"
 ARRAY_PREFIX = "eva0_edge.array."
 ARRAY_NAMES = ("theta0", "source_mean", "source_std")
@@ -59,6 +60,11 @@ class ModelMetadata:
     ``theta_layout`` lists the adapted tensors in the order they appear in the ``theta`` input
     ([N_theta, P]); each name is the tensor's key in the source model's state dict.
     ``feature_layout`` lists the alignment taps concatenated in the ``features`` output ([N, F]).
+
+    ``adapted_input`` names the graph input the runtime adapts: ``theta`` (norm affine, [R, P])
+    or ``prompt`` (black-box prompt mode: [R, T, D] input prompt tokens after the CLS token, fed
+    as theta rows of P = T * D values reshaped to ``theta_layout[0].shape``). ``black_box``: the
+    weights are frozen in the graph and theta0 holds no weights (it is the initial prompt).
     """
 
     architecture: str
@@ -70,6 +76,8 @@ class ModelMetadata:
     adapt: str
     prefix: str
     quantization: dict[str, Any] | None = None
+    adapted_input: str = "theta"
+    black_box: bool = False
     recommended: dict[str, Any] = field(default_factory=dict)
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
@@ -89,6 +97,10 @@ class ModelMetadata:
         return len(self.labels)
 
     @property
+    def is_prompt_model(self) -> bool:
+        return self.adapted_input == "prompt"
+
+    @property
     def theta0(self) -> np.ndarray:
         return self.arrays["theta0"]
 
@@ -98,6 +110,14 @@ class ModelMetadata:
 
     def validate(self) -> None:
         """Raise ModelFormatError if layouts and arrays disagree."""
+        if self.adapted_input not in ADAPTED_INPUTS:
+            raise ModelFormatError(
+                f"adapted_input {self.adapted_input!r} is not one of {ADAPTED_INPUTS}"
+            )
+        if self.adapted_input == "prompt" and (
+            len(self.theta_layout) != 1 or len(self.theta_layout[0].shape) != 2
+        ):
+            raise ModelFormatError("a prompt model's theta layout is one [T, D] prompt segment")
         for layout, what in ((self.theta_layout, "theta"), (self.feature_layout, "feature")):
             offset = 0
             for seg in layout:

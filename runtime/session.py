@@ -65,6 +65,10 @@ class AdaptableSession:
     """Runs ``pixel_values`` [N, C, H, W] under ``theta`` [r*N, P] and returns
     (logits [r*N, K], features [r*N, F]). All arrays float32.
 
+    On a prompt model (``metadata.adapted_input == "prompt"``) the theta rows are the flattened
+    prompts: they are fed as ``prompt`` [r*N, T, D], with a zero ``head_shift`` unless
+    :meth:`run_shifted` gives one.
+
     ``low_memory``: run the r theta copies as r ORT calls of N rows instead of one call of r*N
     rows. Peak activation memory is then that of plain inference, at the cost of computing the
     shared prefix r times instead of once."""
@@ -84,8 +88,16 @@ class AdaptableSession:
             str(path), session_options(threads), providers=self.providers
         )
         names = {i.name for i in self.session.get_inputs()}
-        if not {"pixel_values", "theta"} <= names:
-            raise ValueError(f"{path} lacks the pixel_values/theta inputs of an adaptable model")
+        self.adapted_input = metadata.adapted_input
+        needed = {"pixel_values", self.adapted_input}
+        if metadata.is_prompt_model:
+            needed.add("head_shift")
+            self._prompt_shape = tuple(metadata.theta_layout[0].shape)
+        if not needed <= names:
+            raise ValueError(
+                f"{path} lacks the {sorted(needed)} inputs its metadata promises "
+                f"(graph inputs: {sorted(names)})"
+            )
         pre = metadata.preprocessing
         mean, std = np.asarray(pre.mean), np.asarray(pre.std)
         self._low = float(np.min((0.0 - mean) / std)) - RANGE_TOLERANCE
@@ -128,18 +140,47 @@ class AdaptableSession:
 
     def run(self, x: np.ndarray, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """One ORT call. ``x`` must already be checked; theta rows must be a multiple of N."""
+        logits, features = self._run_copies(x, theta, ["logits", "features"], None)
+        return logits, features
+
+    def run_shifted(
+        self, x: np.ndarray, theta: np.ndarray, head_shift: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Prompt models only: (logits, features, shifted_logits [r*N, K]), the last computed
+        with ``head_shift`` [D] added to the classifier head's input (FOA's activation shift)."""
+        if not self.metadata.is_prompt_model:
+            raise ValueError("activation shifting needs a prompt model (export with --prompts)")
+        shift = np.ascontiguousarray(head_shift, dtype=np.float32).reshape(1, -1)
+        logits, features, shifted = self._run_copies(
+            x, theta, ["logits", "features", "shifted_logits"], shift
+        )
+        return logits, features, shifted
+
+    def _run_copies(
+        self, x: np.ndarray, theta: np.ndarray, outputs: list[str], shift: np.ndarray | None
+    ) -> list[np.ndarray]:
         rows, n = theta.shape[0], x.shape[0]
         if rows % n:
             raise ValueError(f"theta has {rows} rows, not a multiple of the batch {n}")
         theta = np.ascontiguousarray(theta, dtype=np.float32)
         if self.low_memory and rows > n:
-            parts = [self._run(x, theta[j : j + n]) for j in range(0, rows, n)]
-            logits = np.concatenate([p[0] for p in parts])
-            features = np.concatenate([p[1] for p in parts])
+            parts = [self._run(x, theta[j : j + n], outputs, shift) for j in range(0, rows, n)]
+            results = [np.concatenate([p[k] for p in parts]) for k in range(len(outputs))]
         else:
-            logits, features = self._run(x, theta)
+            results = self._run(x, theta, outputs, shift)
         self.counter.forwards += rows
-        return logits, features
+        return results
 
-    def _run(self, x: np.ndarray, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return tuple(self.session.run(["logits", "features"], {"pixel_values": x, "theta": theta}))
+    def _run(
+        self, x: np.ndarray, theta: np.ndarray, outputs: list[str], shift: np.ndarray | None
+    ) -> list[np.ndarray]:
+        feeds = {"pixel_values": x}
+        if self.metadata.is_prompt_model:
+            feeds["prompt"] = theta.reshape(theta.shape[0], *self._prompt_shape)
+            feeds["head_shift"] = (
+                shift if shift is not None
+                else np.zeros((1, self._prompt_shape[1]), dtype=np.float32)
+            )
+        else:
+            feeds["theta"] = theta
+        return self.session.run(outputs, feeds)

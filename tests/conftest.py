@@ -57,6 +57,20 @@ def small_resnet_gn(tmp_path_factory) -> ExportedModel:
     return export_small(tmp_path_factory.mktemp("rgn"), *SMALL_RESNET_GN)
 
 
+@pytest.fixture(scope="session")
+def prompt_vit(tmp_path_factory) -> ExportedModel:
+    """The small ViT in black-box prompt mode (2 prompt tokens), with source statistics from
+    64 random images."""
+    import numpy as np
+
+    from eva0_edge.runtime.calibrate import calibrate_with_images
+
+    exported = export_small(tmp_path_factory.mktemp("prompt"), *SMALL_VIT, prompts=2)
+    images = np.random.default_rng(0).integers(0, 256, (64, 32, 32, 3), dtype=np.uint8)
+    calibrate_with_images(exported.onnx_path, images)
+    return exported
+
+
 @pytest.fixture(scope="session", params=["vit", "resnet_gn"])
 def small_model(request, small_vit, small_resnet_gn) -> ExportedModel:
     return small_vit if request.param == "vit" else small_resnet_gn

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -10,12 +11,12 @@ from eva0_edge.runtime.cli import main
 from tests.serving import MODEL
 
 
-def test_bench_writes_tables_json_and_png(small_vit, tmp_path, capsys):
+def test_bench_writes_tables_json_and_png(small_vit, prompt_vit, tmp_path, capsys):
     from eva0_edge.bench import cost
 
     report = cost.run_bench(
         str(small_vit.onnx_path), [1, 4], ["eva0", "zoa", "foa"], repeats=2, warmup=1,
-        threads=1, memory=True, progress=False,
+        threads=1, memory=True, progress=False, prompt_model=str(prompt_vit.onnx_path),
     )
     cost.write_outputs(report, tmp_path)
     data = json.loads((tmp_path / "cost.json").read_text())
@@ -98,3 +99,21 @@ def test_quant_and_serve_benchmarks_write_their_outputs(tmp_path):
     assert [r["concurrency"] for r in report["rows"]] == [1, 2]
     assert all(r["p99_ms"] >= r["p50_ms"] > 0 for r in report["rows"])
     assert (tmp_path / "load" / "serve_load.png").stat().st_size > 10_000
+
+
+def test_blackbox_table_runs_every_budget_and_writes_outputs(tmp_path):
+    from eva0_edge.bench import blackbox
+
+    vit = Path(__file__).resolve().parents[1] / "models" / "vit_fmnist.onnx"
+    blackbox.main(["--model", str(vit), "--fps", "2,4", "--limit", "16",
+                   "--batch-size", "16", "--threads", "1", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "blackbox.json").read_text())
+    assert report["forwards_per_sample"] == {
+        m: {"2": 2.0, "4": 4.0} for m in ("foa-dagger", "eva0-clubs")
+    }
+    for row in report["accuracy"].values():
+        assert all(0 <= v <= 100 for v in row.values())
+    assert "| eva0-clubs |" in (tmp_path / "blackbox.md").read_text()
+    assert (tmp_path / "blackbox.png").stat().st_size > 10_000
+    assert "noadapt (prompt model)" in json.loads((tmp_path / "results.json").read_text())[
+        "results"]

@@ -169,6 +169,7 @@ def test_folder_dataset_tree(tmp_path):
         ("continual", 32, "eva0,zoa,sar"),
         ("imbalanced", 64, "eva0-dagger,deyo,spsa2-shared"),
         ("single", 1, "noadapt,eva0"),
+        ("single", 16, "noadapt,foa@4,foa-dagger@4,eva0-clubs@4"),
     ],
 )
 def test_eval_end_to_end(tmp_path, protocol, batch_size, methods):
@@ -181,8 +182,10 @@ def test_eval_end_to_end(tmp_path, protocol, batch_size, methods):
                  "--out", str(out), "-q"]) == 0
     report = json.loads((out / "results.json").read_text())
     assert list(report["results"]) == methods.split(",")
-    for result in report["results"].values():
+    for name, result in report["results"].items():
         assert list(result["accuracy"]) == list(CORRUPTIONS)
         assert 0 <= result["average"] <= 100
+        if "@" in name:  # the prompt methods ran on the shipped ViT's prompt variant
+            assert result["forwards_per_sample"] == int(name.split("@")[1])
     assert (out / "stream.png").stat().st_size > 10_000
     assert "| method |" in (out / "results.md").read_text()

@@ -1,0 +1,222 @@
+"""FOA (Niu et al., ICML 2024): forward-only adaptation of input prompts with CMA-ES.
+
+Per batch x [B, C, H, W] on a prompt model (``eva0-edge export --prompts T``):
+
+1. K candidate prompts: ``popsize = K - 1`` samples of CMA-ES (the ``cma`` package) plus the
+   previous batch's best prompt (FOA's default K = 28: population 27 + 1); K = 2 has no room for
+   the previous best and evaluates a population of 2;
+2. one ORT call over K*B rows (the patch embedding shared inside the graph);
+3. fitness of candidate j = sum_i entropy(o_ji) + lambda * B / 64 *
+   (||std_j(h) - sigma_s||^2 + ||mean_j(h) - m_s||^2) over the model's alignment features (std
+   over the batch, unbiased as torch.std), the source statistics from the model file;
+4. ``es.tell`` all K (candidates and their fitness); the prediction is the best candidate's
+   output with FOA's activation shifting: the head's input moved by
+   ``shift_step * (m_s(head input) - m_test)``, where m_test is an EMA (new weight
+   ``shift_alpha``) of the test-time mean head input over the candidates.
+
+``foa-dagger`` is FOA with lambda = 0 and no shifting: entropy only, no source statistics.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import numpy as np
+
+from .engine import parse_method
+from .losses import softmax_entropy
+from .metadata import ModelMetadata
+from .modelfile import read_metadata
+from .session import AdaptableSession
+
+FOA_FORWARDS = 28
+
+
+@dataclass(frozen=True)
+class FOAConfig:
+    """FOA's hyper-parameters (the FOA paper's ViT-Base values).
+
+    forwards: K forward passes per sample (CMA-ES population K - 1 + previous best).
+    lambda_fit: weight of the feature-statistics term of the fitness. shift: activation
+    shifting on/off; shift_step: its step size; shift_alpha: EMA weight of the new batch in the
+    test-time head-input mean. sigma0: CMA-ES initial step size (the search starts at 0).
+    """
+
+    forwards: int = FOA_FORWARDS
+    lambda_fit: float = 0.4
+    shift: bool = True
+    shift_step: float = 1.0
+    shift_alpha: float = 0.1
+    sigma0: float = 1.0
+
+    def updated(self, values: dict[str, Any]) -> FOAConfig:
+        """A copy with ``values`` applied; ValueError naming any unknown key."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown FOA setting(s) {unknown}; known: {sorted(known)}")
+        return replace(self, **values)
+
+
+FOA_METHODS: dict[str, dict[str, Any]] = {
+    "foa": {},
+    "foa-dagger": {"lambda_fit": 0.0, "shift": False},
+}
+
+
+class FOAModel:
+    """FOA or FOA-dagger over a prompt model; the stream interface of :class:`AdaptiveModel`
+    (``step``, ``predict``, ``reset``, ``stats``).
+
+    >>> model = FOAModel.load("vit_prompt.onnx", "foa", seed=0)
+    >>> logits = model.step(x)  # [B, K]; K forwards per sample
+    """
+
+    def __init__(
+        self,
+        session: AdaptableSession,
+        method: str = "foa",
+        config: dict[str, Any] | None = None,
+        seed: int = 0,
+    ) -> None:
+        base, fp = parse_method(method)
+        if base not in FOA_METHODS:
+            raise ValueError(f"unknown FOA method {method!r}; known: {sorted(FOA_METHODS)}")
+        metadata: ModelMetadata = session.metadata
+        if not metadata.is_prompt_model:
+            raise ValueError(
+                f"{base} evolves input prompts: export the ViT with `eva0-edge export "
+                "--prompts T` (this file adapts norm parameters)"
+            )
+        self.session = session
+        self.metadata = metadata
+        self.name = base
+        self.config = FOAConfig().updated({**FOA_METHODS[base], **fp, **(config or {})})
+        if self.config.forwards < 2:
+            raise ValueError(f"{base}: #FP (forwards) must be >= 2, got {self.config.forwards}")
+        needs_source = self.config.lambda_fit > 0 or self.config.shift
+        if needs_source and not metadata.has_source_stats:
+            raise ValueError(
+                f"{base} needs the model's source statistics (run `eva0-edge calibrate`); "
+                "foa-dagger needs none"
+            )
+        if metadata.has_source_stats:
+            self._source_mean = metadata.arrays["source_mean"].astype(np.float64)
+            self._source_std = metadata.arrays["source_std"].astype(np.float64)
+            head = next(s for s in metadata.feature_layout if s.name == "head_input")
+            self._head = slice(head.offset, head.offset + head.size)
+        self.seed = int(seed)
+        self.reset()
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike,
+        method: str = "foa",
+        config: dict[str, Any] | None = None,
+        seed: int = 0,
+        provider: str = "auto",
+        threads: int | None = None,
+        low_memory: bool = False,
+    ) -> FOAModel:
+        """Open a prompt model with ONNX Runtime (``low_memory``: one ORT call per candidate)."""
+        metadata = read_metadata(path)
+        return cls(AdaptableSession(path, metadata, provider, threads, low_memory), method,
+                   config, seed)
+
+    @property
+    def method(self) -> str:
+        return self.name
+
+    @property
+    def popsize(self) -> int:
+        """CMA-ES population per batch: K - 1 (K = 2: 2, without the previous best)."""
+        return max(self.config.forwards - 1, 2)
+
+    def reset(self) -> None:
+        """Back to the initial prompt, a fresh CMA-ES and no test-time statistics."""
+        import cma
+
+        dim = self.metadata.num_params
+        self.es = cma.CMAEvolutionStrategy(  # cma reads seed 0 as "random": offset by 1
+            np.zeros(dim), self.config.sigma0,
+            inopts={"seed": self.seed + 1, "popsize": self.popsize, "maxiter": np.inf,
+                    "verbose": -9},
+        )
+        self.best_prompt = self.metadata.theta0.astype(np.float64)
+        self.best_fitness = float("nan")
+        self.test_mean: np.ndarray | None = None
+        self.steps = 0
+
+    def stats(self) -> dict[str, Any]:
+        counter = self.session.counter
+        return {
+            "method": self.name,
+            "steps": self.steps,
+            "skipped_steps": 0,
+            "samples": counter.samples,
+            "forwards": counter.forwards,
+            "forwards_per_sample": counter.per_sample,
+            "drift": float(np.linalg.norm(self.best_prompt - self.metadata.theta0)),
+            "best_fitness": self.best_fitness,
+        }
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        """Logits [B, K] under the best prompt so far (shifted as the last step would), one
+        forward per sample, no adaptation."""
+        x = self.session.check_input(x)
+        prompts = np.broadcast_to(self.best_prompt, (x.shape[0], self.best_prompt.size))
+        _, _, shifted = self.session.run_shifted(x, prompts, self._shift())
+        self.session.counter.samples += x.shape[0]
+        return shifted
+
+    def step(self, x: np.ndarray) -> np.ndarray:
+        """Evaluate K candidate prompts on the batch, update CMA-ES, return the best
+        candidate's (activation-shifted) logits [B, K]."""
+        x = self.session.check_input(x)
+        batch = x.shape[0]
+        candidates = [np.asarray(c, dtype=np.float64) for c in self.es.ask()]
+        if self.config.forwards > 2:
+            candidates.append(self.best_prompt)
+        rows = np.repeat(np.stack(candidates).astype(np.float32), batch, axis=0)
+        logits, features, shifted = self.session.run_shifted(x, rows, self._shift())
+        self.session.counter.samples += batch
+        count = len(candidates)
+        logits = logits.reshape(count, batch, -1).astype(np.float64)
+        features = features.reshape(count, batch, -1).astype(np.float64)
+        fitness = self.fitness(logits, features)
+        self.es.tell(candidates, fitness.tolist())
+        best = int(np.argmin(fitness))
+        self.best_prompt, self.best_fitness = candidates[best], float(fitness[best])
+        if self.config.shift:
+            batch_mean = features[:, :, self._head].mean(axis=(0, 1))
+            a = self.config.shift_alpha
+            self.test_mean = (
+                batch_mean if self.test_mean is None else (1 - a) * self.test_mean + a * batch_mean
+            )
+        self.steps += 1
+        return shifted.reshape(count, batch, -1)[best]
+
+    def fitness(self, logits: np.ndarray, features: np.ndarray) -> np.ndarray:
+        """FOA's fitness per candidate. logits [K, B, classes], features [K, B, F] -> [K]."""
+        entropy = np.stack([softmax_entropy(o).sum() for o in logits])
+        if self.config.lambda_fit == 0:
+            return entropy
+        batch = logits.shape[1]
+        mean = features.mean(axis=1)
+        std = features.std(axis=1, ddof=1 if batch > 1 else 0)
+        discrepancy = ((std - self._source_std) ** 2).sum(axis=1) + (
+            (mean - self._source_mean) ** 2
+        ).sum(axis=1)
+        return entropy + self.config.lambda_fit * discrepancy * batch / 64.0
+
+    def _shift(self) -> np.ndarray:
+        """The head-input shift [D]: zero until a batch has been seen, or with shifting off."""
+        width = self.metadata.feature_layout[-1].size
+        if not self.config.shift or self.test_mean is None:
+            return np.zeros(width, dtype=np.float32)
+        return (self.config.shift_step * (self._source_mean[self._head] - self.test_mean)).astype(
+            np.float32
+        )

@@ -1,0 +1,189 @@
+"""Black-box prompt mode: the exporter's prompt input, EVA-0-clubs and FOA / FOA-dagger."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from eva0_edge.runtime.engine import AdaptiveModel
+from eva0_edge.runtime.foa import FOAModel
+from eva0_edge.runtime.methods import load_method
+from eva0_edge.runtime.modelfile import read_metadata
+
+SHIPPED_VIT = Path(__file__).resolve().parents[1] / "models" / "vit_fmnist.onnx"
+
+
+def batch(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).uniform(-1.5, 1.5, (n, 3, 32, 32)).astype(np.float32)
+
+
+def torch_prompt_model(exported):
+    import timm
+    import torch
+
+    from eva0_edge.exporter.prompt import PromptModel
+
+    model = timm.create_model(exported.arch, **exported.kwargs).eval()
+    model.load_state_dict(torch.load(exported.checkpoint, weights_only=True))
+    return PromptModel(model).eval()
+
+
+def test_prompt_export_is_a_black_box_with_a_prompt_input(prompt_vit):
+    md = read_metadata(prompt_vit.onnx_path)
+    session = ort.InferenceSession(str(prompt_vit.onnx_path), providers=["CPUExecutionProvider"])
+    inputs = {i.name: i.shape for i in session.get_inputs()}
+    assert set(inputs) == {"pixel_values", "prompt", "head_shift"}
+    assert inputs["prompt"][1:] == [2, 64]
+    assert md.is_prompt_model and md.black_box and md.theta_layout[0].shape == (2, 64)
+    assert set(md.arrays) == {"theta0", "source_mean", "source_std"}  # no weights exposed
+    assert md.feature_layout[-1].name == "head_input" and md.num_features == 7 * 64
+    bound = np.sqrt(6 / (3 * 16 + 64))  # VPT/FOA's uniform initialisation
+    assert 0.5 * bound < np.abs(md.theta0).max() <= bound
+
+
+def test_prompt_input_changes_the_output_as_the_torch_model_does(prompt_vit):
+    import torch
+
+    md = read_metadata(prompt_vit.onnx_path)
+    session = ort.InferenceSession(str(prompt_vit.onnx_path), providers=["CPUExecutionProvider"])
+    x = batch(3)
+    rng = np.random.default_rng(1)
+    prompts = np.stack([md.theta0.reshape(2, 64), rng.normal(0, 1, (2, 64))]).astype(np.float32)
+    rows = np.repeat(prompts, 3, axis=0)  # copy-major: 3 images under prompt 0, then prompt 1
+    shift = rng.normal(0, 1, (1, 64)).astype(np.float32)
+    logits, features, shifted = session.run(
+        None, {"pixel_values": x, "prompt": rows, "head_shift": shift}
+    )
+    assert np.abs(logits[:3] - logits[3:]).max() > 1e-2  # the prompt matters
+    reference = torch_prompt_model(prompt_vit)
+    with torch.no_grad():
+        want = reference(torch.from_numpy(x).repeat(2, 1, 1, 1), torch.from_numpy(rows),
+                         torch.from_numpy(shift))
+    for got, expected in zip((logits, features, shifted), want, strict=True):
+        np.testing.assert_allclose(got, expected.numpy(), atol=2e-4, rtol=1e-4)
+    zero = np.zeros_like(shift)
+    unshifted = session.run(["shifted_logits"], {"pixel_values": x, "prompt": rows,
+                                                 "head_shift": zero})[0]
+    np.testing.assert_allclose(unshifted, logits, atol=1e-5)
+
+
+def test_prompt_mode_refuses_models_without_a_class_token(tmp_path):
+    import timm
+
+    from eva0_edge.exporter import export_model
+
+    model = timm.create_model("resnet18", layers=[1, 1, 1, 1], num_classes=10)
+    with pytest.raises(ValueError, match="class token"):
+        export_model("resnet18", tmp_path / "r.onnx", model=model, prompts=2,
+                     input_size=(3, 32, 32))
+
+
+@pytest.mark.parametrize("fp", [2, 8])
+def test_eva0_clubs_honours_the_forward_budget(prompt_vit, fp):
+    model = AdaptiveModel.load(prompt_vit.onnx_path, f"eva0-clubs@{fp}", seed=0,
+                               provider="cpu")
+    assert model.config.lambda_swa == 0.0 and model.config.forwards == fp
+    x = batch(5)
+    for _ in range(3):
+        logits = model.step(x)
+    assert logits.shape == (5, 10)
+    assert model.forwards_per_sample == fp
+    assert model.stats()["drift"] > 0  # the prompt moved
+
+
+def test_more_pairs_average_the_estimate(prompt_vit):
+    """#FP = 2q averages q pair estimates: the q = 4 estimate is the mean of its pairs, so on a
+    fixed batch it varies less across perturbation draws than a single pair's."""
+    x = batch(4)
+
+    def spread(fp: int) -> float:
+        model = AdaptiveModel.load(prompt_vit.onnx_path, f"eva0-clubs@{fp}", provider="cpu")
+        grads = np.stack([model.estimate(x, step_index=i).grad for i in range(12)])
+        return float(np.linalg.norm(grads - grads.mean(0), axis=1).mean())
+
+    assert spread(8) < 0.8 * spread(2)
+
+
+def test_bad_forward_budgets_and_models_are_refused(prompt_vit, small_vit):
+    with pytest.raises(ValueError, match="even number"):
+        AdaptiveModel.load(prompt_vit.onnx_path, "eva0-clubs@3", provider="cpu")
+    with pytest.raises(ValueError, match="even number"):
+        AdaptiveModel.load(small_vit.onnx_path, "zoa@4", provider="cpu")
+    with pytest.raises(ValueError, match="part after @"):
+        AdaptiveModel.load(prompt_vit.onnx_path, "eva0-clubs@x", provider="cpu")
+    with pytest.raises(ValueError, match="--prompts"):
+        AdaptiveModel.load(small_vit.onnx_path, "eva0-clubs", provider="cpu")
+    with pytest.raises(ValueError, match="--prompts"):
+        FOAModel.load(small_vit.onnx_path, "foa", provider="cpu")
+
+
+@pytest.mark.parametrize(("method", "fp"), [("foa", 28), ("foa-dagger@6", 6), ("foa@2", 2)])
+def test_foa_honours_the_forward_budget(prompt_vit, method, fp):
+    model = load_method(prompt_vit.onnx_path, method, provider="cpu")
+    assert isinstance(model, FOAModel)
+    for _ in range(2):
+        logits = model.step(batch(3))
+    assert logits.shape == (3, 10)
+    assert model.stats()["forwards_per_sample"] == fp
+
+
+def test_cma_es_improves_the_fitness_on_a_fixed_batch():
+    """On the shipped ViT's prompt variant and 32 noisy test images, FOA-dagger's best fitness
+    never rises (the previous best is re-evaluated) and falls well below the initial prompt's."""
+    from eva0_edge.bench.fashion_mnist import load_fashion_mnist
+    from eva0_edge.bench.prompt_variant import prompt_variant
+
+    model = FOAModel.load(prompt_variant(SHIPPED_VIT), "foa-dagger@10", seed=0, provider="cpu")
+    pre = model.metadata.preprocessing
+    images = load_fashion_mnist("test")[0][:32].astype(np.float32) / 255.0
+    noisy = np.clip(images + np.random.default_rng(0).normal(0, 0.3, images.shape), 0, 1)
+    x = ((noisy - np.array(pre.mean)) / np.array(pre.std)).transpose(0, 3, 1, 2)
+    x = x.astype(np.float32)
+    logits, features = model.session.run(x, np.tile(model.metadata.theta0, (32, 1)))
+    initial = float(model.fitness(logits[None].astype(np.float64),
+                                  features[None].astype(np.float64))[0])
+    best = []
+    for _ in range(15):
+        model.step(x)
+        best.append(model.best_fitness)
+    assert all(b <= a + 1e-6 for a, b in zip(best, best[1:], strict=False))  # elitist
+    assert best[-1] < 0.8 * initial
+
+
+def test_foa_shifts_activations_toward_the_source_mean(prompt_vit):
+    model = FOAModel.load(prompt_vit.onnx_path, "foa", provider="cpu")
+    x = batch(8)
+    model.step(x)
+    shift = model._shift()
+    head = model._head
+    expected = model.metadata.arrays["source_mean"][head] - model.test_mean
+    np.testing.assert_allclose(shift, expected, rtol=1e-5, atol=1e-6)
+    logits = model.step(x)  # the returned logits are the best candidate's shifted ones
+    prompt = np.broadcast_to(model.best_prompt, (8, model.best_prompt.size))
+    _, _, shifted = model.session.run_shifted(x, prompt, shift)
+    np.testing.assert_allclose(logits, shifted, atol=1e-4)
+    dagger = FOAModel.load(prompt_vit.onnx_path, "foa-dagger", provider="cpu")
+    dagger.step(x)
+    assert not dagger._shift().any()
+
+
+def test_foa_needs_source_statistics_and_foa_dagger_does_not(tmp_path):
+    from tests.conftest import SMALL_VIT, export_small
+
+    bare = export_small(tmp_path, *SMALL_VIT, prompts=1)
+    with pytest.raises(ValueError, match="calibrate"):
+        FOAModel.load(bare.onnx_path, "foa", provider="cpu")
+    FOAModel.load(bare.onnx_path, "foa-dagger", provider="cpu").step(batch(2))
+
+
+def test_foa_reset_restores_the_initial_prompt(prompt_vit):
+    model = FOAModel.load(prompt_vit.onnx_path, "foa", provider="cpu")
+    x = batch(4)
+    first = model.step(x)
+    model.step(x)
+    model.reset()
+    np.testing.assert_array_equal(model.best_prompt, model.metadata.theta0)
+    np.testing.assert_allclose(model.step(x), first, atol=1e-6)  # same seed, same draws
