@@ -6,7 +6,7 @@ STAMP := $(VENV)/.eva0-edge-installed
 
 FMNIST := /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz
 
-.PHONY: setup data demo test test-fast lint
+.PHONY: blackbox setup data demo test test-fast lint
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -44,3 +44,8 @@ tables: setup data
 		$(VENV)/bin/eva0-edge eval --model models/$$m.onnx --protocol $$p --severity 5 \
 			--methods $(TABLE_METHODS) --limit $(TABLE_LIMIT) --out out/tables/$$m-$$p -q; \
 	done; done
+
+# The black-box study (the paper's Table 6) on the shipped ViT's prompt variant.
+blackbox: setup data
+	$(VENV)/bin/python -m eva0_edge.bench.blackbox --model models/vit_fmnist.onnx \
+		--limit $(TABLE_LIMIT) --out out/blackbox

@@ -1,7 +1,7 @@
 """The black-box prompt variant of a shipped testbed model, for the prompt methods (``foa``,
 ``foa-dagger``, ``eva0-clubs``): the same torch source weights exported with T prompt tokens
 (``eva0-edge export --prompts T``), its source statistics taken from the same clean training
-images as the shipped file's, its recommended values the best of ``models/<arch>_prompt.tune.json``
+images as the shipped file's, its recommended values the best of ``models/<arch>_prompt.tune*.json``
 (``models/tune.py --method eva0-clubs``, validation split). Generated once into the cache."""
 
 from __future__ import annotations
@@ -29,12 +29,15 @@ def tune_log_path(arch: str) -> Path:
 
 
 def tuned_values(arch: str) -> dict[str, Any]:
-    """The best configuration of the prompt variant's tuning log ({} without one)."""
-    path = tune_log_path(arch)
-    if not path.is_file():
+    """The best configuration over the prompt variant's tuning logs
+    (``<arch>_prompt.tune*.json``, e.g. a first grid and a wider one); {} without any."""
+    log = tune_log_path(arch)
+    bests = [json.loads(p.read_text())["best"]
+             for p in sorted(log.parent.glob(f"{arch}_prompt.tune*.json"))]
+    if not bests:
         return {}
-    best = dict(json.loads(path.read_text())["best"])
-    best.pop("val_accuracy", None)
+    best = dict(max(bests, key=lambda b: b["val_accuracy"]))
+    best.pop("val_accuracy")
     return best
 
 

@@ -11,6 +11,7 @@ import os
 import numpy as np
 
 from eva0_edge.runtime.metadata import ModelMetadata
+from eva0_edge.runtime.modelfile import read_metadata
 
 SCHEMES = ("ptq4vit", "int8")
 
@@ -24,6 +25,11 @@ def quantize_model(
 ) -> ModelMetadata:
     """Quantize ``model`` to ``output`` with ``scheme`` at ``bits``; ``calibration`` holds the
     normalised calibration images float32 [N, C, H, W]. Returns the new file's metadata."""
+    if read_metadata(model).is_prompt_model:
+        raise ValueError(
+            f"{model} is a black-box prompt model; quantize the theta model and export the "
+            "prompt variant from the same weights (prompt-mode quantization is not built)"
+        )
     if scheme == "ptq4vit":
         from .ptq4vit import quantize_ptq4vit
 

@@ -187,3 +187,10 @@ def test_foa_reset_restores_the_initial_prompt(prompt_vit):
     model.reset()
     np.testing.assert_array_equal(model.best_prompt, model.metadata.theta0)
     np.testing.assert_allclose(model.step(x), first, atol=1e-6)  # same seed, same draws
+
+
+def test_quantize_refuses_a_prompt_model(prompt_vit, tmp_path):
+    from eva0_edge.quant import quantize_model
+
+    with pytest.raises(ValueError, match="prompt model"):
+        quantize_model(prompt_vit.onnx_path, tmp_path / "q.onnx", 8, batch(4))
