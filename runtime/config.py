@@ -49,14 +49,20 @@ class AdaptConfig:
 
     def updated(self, values: dict[str, Any]) -> AdaptConfig:
         """A copy with ``values`` applied; ValueError naming any unknown key."""
-        known = {f.name for f in fields(self)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown hyper-parameter(s) {unknown}; known: {sorted(known)}")
-        return replace(self, **values)
+        return replaced(self, values)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def replaced(config: Any, values: dict[str, Any]) -> Any:
+    """A copy of the frozen dataclass ``config`` with ``values`` applied; ValueError naming any
+    key it does not have."""
+    known = {f.name for f in fields(config)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown hyper-parameter(s) {unknown}; known: {sorted(known)}")
+    return replace(config, **values)
 
 
 _FAMILY_RECOMMENDED: dict[str, dict[str, Any]] = {

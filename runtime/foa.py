@@ -20,11 +20,12 @@ Per batch x [B, C, H, W] on a prompt model (``eva0-edge export --prompts T``):
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .config import replaced
 from .engine import parse_method
 from .losses import softmax_entropy
 from .metadata import ModelMetadata
@@ -53,11 +54,7 @@ class FOAConfig:
 
     def updated(self, values: dict[str, Any]) -> FOAConfig:
         """A copy with ``values`` applied; ValueError naming any unknown key."""
-        known = {f.name for f in fields(self)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown FOA setting(s) {unknown}; known: {sorted(known)}")
-        return replace(self, **values)
+        return replaced(self, values)
 
 
 FOA_METHODS: dict[str, dict[str, Any]] = {

@@ -194,3 +194,18 @@ def test_quantize_refuses_a_prompt_model(prompt_vit, tmp_path):
 
     with pytest.raises(ValueError, match="prompt model"):
         quantize_model(prompt_vit.onnx_path, tmp_path / "q.onnx", 8, batch(4))
+
+
+def test_export_cli_prompt_mode_and_info(tmp_path, capsys):
+    from eva0_edge.runtime.cli import main
+
+    out = tmp_path / "p.onnx"
+    assert main(["export", "--arch", "vit_tiny_patch16_224", "--set", "img_size=32",
+                 "--set", "patch_size=8", "--set", "depth=2", "--set", "num_classes=10",
+                 "--prompts", "4", "-o", str(out)]) == 0
+    assert "black-box prompt [R, 4, 192]" in capsys.readouterr().out
+    assert main(["info", str(out)]) == 0
+    assert "black box: prompt [R, 4, 192] after CLS" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["adapt", "--model", str(out), "--input", "x.npy", "--output", "p.jsonl",
+              "--method", "foa"])  # FOA keeps CMA-ES in memory: eval / bench only
