@@ -4,7 +4,8 @@ Methods (all on the same batch of random normalised pixels):
 * ``noadapt``: one ORT forward per sample (the reference of every ratio);
 * ``eva0`` / ``zoa`` / ``spsa2-shared`` / ``eva0-dagger``: a full runtime step (perturbation
   draw, one ORT call over 2B rows with the shared prefix, losses, update);
-* ``eva0-lowmem``: the EVA-0 step with ``low_memory`` (the +/- copies as two ORT calls);
+* ``eva0-lowmem`` (any runtime method + ``-lowmem``): the step with ``low_memory`` (the copies
+  as separate ORT calls of B rows: EVA-0's +/- pair as two, FOA's 28 candidates as 28);
 * ``foa`` / ``foa-dagger`` / ``eva0-clubs``: the prompt methods' full steps (FOA: CMA-ES ask,
   one ORT call over 28B rows, fitness, tell, activation shift) on the prompt variant of the same
   weights (``--arch`` exports it; ``name@FP`` sets #FP);
@@ -47,11 +48,12 @@ PROMPT_TOKENS = 3
 
 
 def check_cost_method(name: str) -> None:
-    """ValueError unless ``name`` is a cost method (runtime methods may carry ``@FP``)."""
-    if name in ("eva0-lowmem", "tent"):
+    """ValueError unless ``name`` is a cost method: a runtime method (``@FP`` allowed, and a
+    ``-lowmem`` suffix for its low-memory session) or ``tent``."""
+    if name == "tent":
         return
     try:
-        base_name(name)
+        base_name(name.removesuffix("-lowmem"))
     except ValueError:
         raise ValueError(f"unknown method {name!r}; known: {', '.join(COST_METHODS)}") from None
 
@@ -94,7 +96,7 @@ def make_step(
     x = random_batch(metadata, batch)
     if method != "tent":
         path = model_path
-        if method != "eva0-lowmem" and is_prompt_method(method):
+        if is_prompt_method(method.removesuffix("-lowmem")):
             if prompt_model is None:
                 raise ValueError(f"{method} needs a prompt model (--prompt-model or --arch)")
             path = prompt_model
@@ -225,7 +227,7 @@ def bench_prompt_model(
     """The prompt model the prompt methods of ``methods`` run on (None if there are none):
     ``given``, else the prompt export of ``arch``'s random weights, else the shipped model's
     prompt variant."""
-    if not any(m not in ("eva0-lowmem", "tent") and is_prompt_method(m) for m in methods):
+    if not any(m != "tent" and is_prompt_method(m.removesuffix("-lowmem")) for m in methods):
         return None
     if given:
         return given
