@@ -14,8 +14,8 @@ Methods (all on the same batch of random normalised pixels):
 
 Timing: warm-up, then repetitions interleaved across methods (round-robin, so a load spike hits
 all of them), medians. Peak memory: each (method, batch) runs again in its own process and
-reports its peak RSS (``ru_maxrss``). The share of a runtime step spent outside ORT is measured
-by timing the session's ORT calls inside the step.
+reports its peak RSS (``ru_maxrss``). The share of a runtime step spent outside ORT comes from the
+session's own ORT clock (``ForwardCounter.ort_seconds``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import numpy as np
 import onnxruntime as ort
 
 from eva0_edge.runtime.calibrate import calibrate_with_images
-from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.methods import RUNTIME_METHODS, base_name, is_prompt_method, load_method
 from eva0_edge.runtime.modelfile import read_metadata
 
@@ -68,23 +67,6 @@ def random_batch(metadata, batch: int, seed: int = 0) -> np.ndarray:
     return (x - mean) / std
 
 
-class _OrtTimer:
-    """Wraps an AdaptableSession's ORT calls to add up the seconds spent inside ORT."""
-
-    def __init__(self, model: AdaptiveModel) -> None:
-        self.seconds = 0.0
-        inner = model.session._run_copies
-
-        def timed(*args):
-            start = time.perf_counter()
-            try:
-                return inner(*args)
-            finally:
-                self.seconds += time.perf_counter() - start
-
-        model.session._run_copies = timed
-
-
 def make_step(
     method: str, model_path: str, batch: int, threads: int | None, torch_model_fn=None,
     prompt_model: str | None = None,
@@ -104,8 +86,7 @@ def make_step(
             path, method.removesuffix("-lowmem"), seed=0, provider="cpu", threads=threads,
             low_memory=method.endswith("-lowmem"),
         )
-        timer = _OrtTimer(model)
-        return (lambda: model.step(x)), (lambda: timer.seconds)
+        return (lambda: model.step(x)), (lambda: model.session.counter.ort_seconds)
     import torch
 
     from .backprop import BackpropTTA

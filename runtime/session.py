@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,10 +52,12 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
 
 @dataclass
 class ForwardCounter:
-    """Forward passes counted per sample: one theta row run on one image is one forward."""
+    """Forward passes counted per sample: one theta row run on one image is one forward.
+    ``ort_seconds``: wall time spent in the session's ORT calls (input packing included)."""
 
     forwards: int = 0
     samples: int = 0
+    ort_seconds: float = 0.0
 
     @property
     def per_sample(self) -> float:
@@ -162,6 +165,7 @@ class AdaptableSession:
         rows, n = theta.shape[0], x.shape[0]
         if rows % n:
             raise ValueError(f"theta has {rows} rows, not a multiple of the batch {n}")
+        start = time.perf_counter()
         theta = np.ascontiguousarray(theta, dtype=np.float32)
         if self.low_memory and rows > n:
             parts = [self._run(x, theta[j : j + n], outputs, shift) for j in range(0, rows, n)]
@@ -169,6 +173,7 @@ class AdaptableSession:
         else:
             results = self._run(x, theta, outputs, shift)
         self.counter.forwards += rows
+        self.counter.ort_seconds += time.perf_counter() - start
         return results
 
     def _run(
