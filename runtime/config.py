@@ -14,18 +14,33 @@ from typing import Any
 
 @dataclass(frozen=True)
 class AdaptConfig:
-    """EVA-0 and its forward-only relatives. Units: all rates are per step (one batch).
+    """EVA-0 and its forward-only relatives.
 
-    mu: SPSA perturbation radius. eta: SGD step size. anchor_per_64: anchor-guided rows per 64
-    samples (k), accumulated across steps so B = 1 keeps the share. gamma: relaxation weight
-    toward the anchor. rho: weight of the history in the sample-wise moments (the sample moves
-    them by 1 - rho). lambda_swa: weight of l_SWA (0 = EVA-0-dagger). alpha: EMA factor of the
-    output centre and target moments (weight of the old value). momentum: SGD momentum.
-    balance_beta: EMA factor of the inward/outward magnitudes (None = balancing off).
-    moving_anchor: m_a of theta_anc <- m_a theta + (1 - m_a) theta_anc (None = fixed anchor).
-    forwards: forward passes per sample (#FP), even: q = forwards / 2 two-sided perturbation
-    pairs per sample in one ORT call, their estimates and their 2q outputs averaged (the paper's
-    black-box study); one-sided methods take exactly 2.
+    Units: the rates are quoted per *reference batch* of ``reference_batch`` samples (the
+    paper's per-step values at B = 64) and converted to the batch actually stepped, so a value
+    means the same at B = 1 and at B = 64 (:mod:`rates` states the rules and their reasoning).
+    Model files' ``recommended`` values and older state files are read in these units: the
+    paper's values were per step at B = 64, which is what a reference batch is.
+
+    mu: SPSA perturbation radius (per perturbation, no conversion). eta: SGD step size per
+    reference batch (eta B / 64 per step). anchor_per_64: anchor-guided rows per 64 samples (k),
+    accumulated across steps so B = 1 keeps the share. gamma: relaxation toward the anchor per
+    reference batch. rho: weight of the history in the sample-wise moments when one sample is
+    added (per sample already). lambda_swa: weight of l_SWA (0 = EVA-0-dagger). alpha: EMA
+    factor of the output centre and target moments per reference batch, read as a per-sample
+    window of W = 64 (1 + alpha) / (1 - alpha) samples unless ``stat_window`` (samples) is set.
+    momentum: SGD momentum per reference batch (damped form, see :mod:`rates`). balance_beta:
+    EMA factor of the inward/outward magnitudes per reference batch (None = balancing off).
+    moving_anchor: m_a of theta_anc <- m_a theta + (1 - m_a) theta_anc per reference batch
+    (None = fixed anchor). forwards: forward passes per sample (#FP), even: q = forwards / 2
+    two-sided perturbation pairs per sample in one ORT call, their estimates and their 2q
+    outputs averaged (the paper's black-box study); one-sided methods take exactly 2.
+
+    Step control (:mod:`stepcontrol`): coef_clip: each per-sample coefficient |c_i| is clipped
+    at this multiple of the running mean |c| over the last ``coef_window`` samples (None = no
+    clipping). trust_radius: ||delta theta|| <= trust_radius eta sqrt(P B / 64) per step, i.e.
+    a root-mean-square change per adapted parameter of at most trust_radius x eta per reference
+    batch, with the sqrt(B / 64) rule of noise-dominated steps (None = unbounded).
     """
 
     mu: float = 0.06
@@ -44,6 +59,11 @@ class AdaptConfig:
     moving_anchor: float | None = None
     regenerate_z: bool = False
     forwards: int = 2
+    reference_batch: int = 64
+    stat_window: float | None = None
+    coef_clip: float | None = 5.0
+    coef_window: float = 256.0
+    trust_radius: float | None = 10.0
     eps: float = 1e-8
     delta: float = 1e-8
 

@@ -7,9 +7,11 @@ One step on a batch x [B, C, H, W]:
 2. one ORT call over 2B rows: [theta + mu z; theta - mu z] (two-sided) or [theta; theta + mu z]
    (one-sided), the prefix shared inside the graph (2qB rows for q pairs);
 3. prediction: the mean of the two sides (of all 2q rows) or the clean row (one-sided);
-4. per-side loss E_SR(o) + lambda l_SWA(h), g = (1/B) sum_i (l+_i - l-_i) / (2 mu) z_i
-   (averaged over the qB pairs);
-5. theta <- (1 - gamma) (theta - eta g) + gamma theta_anchor; EMA of centre and moments.
+4. per-side loss E_SR(o) + lambda l_SWA(h); coefficients c_i = (l+_i - l-_i) / (2 mu), each
+   clipped at a multiple of their running scale; g = (1/B) sum_i c_i z_i (over the qB pairs);
+5. theta <- (1 - gamma) (theta - eta g) + gamma theta_anchor, the step cut to a trust radius;
+   windowed means of centre and moments. The rates are per reference batch of 64 samples,
+   converted to B (:mod:`rates`), so they mean the same at every batch size.
 
 A non-finite loss, gradient or theta is never written: the step is skipped and counted.
 """
@@ -30,6 +32,7 @@ from .losses import sample_wise_alignment, shortcut_resistant_scores, softmax_en
 from .metadata import ModelMetadata
 from .modelfile import read_metadata
 from .perturbation import AnchorShare, PerturbationPlan, anchor_direction
+from .rates import statistics_window, step_rates, window_factor, windowed_update
 from .session import AdaptableSession
 from .state import (
     AdaptState,
@@ -39,6 +42,7 @@ from .state import (
     read_state_file,
     write_state_file,
 )
+from .stepcontrol import ClippedCoefficients, clip_coefficients, limit_step
 
 log = logging.getLogger(__name__)
 
@@ -117,14 +121,16 @@ def model_fingerprint(metadata: ModelMetadata) -> str:
 
 @dataclass
 class GradientEstimate:
-    """One estimator evaluation: prediction [B, K] (logits), grad [P] (float64), coef [B]
-    (the scalar multiplying z_i), h_mean / h_sq [B, F] (features and squares, side-averaged)."""
+    """One estimator evaluation: prediction [B, K] (logits), grad [P] (float64), coef [qB]
+    (the scalar multiplying z_i, after clipping), h_mean / h_sq [B, F] (features and squares,
+    side-averaged), control: the clipping outcome (None when not clipped, see ``estimate``)."""
 
     prediction: np.ndarray
     grad: np.ndarray
     coef: np.ndarray
     h_mean: np.ndarray
     h_sq: np.ndarray
+    control: ClippedCoefficients | None = None
 
 
 @dataclass
@@ -196,7 +202,8 @@ class AdaptiveModel:
 
     def _resolve_config(self, overrides: dict[str, Any]) -> AdaptConfig:
         config = AdaptConfig().updated(self.metadata.recommended)
-        config = config.updated(self.spec.overrides).updated(overrides)
+        config = config.updated(self.spec.overrides)
+        config = config.updated(self.metadata.tuned.get(self.method, {})).updated(overrides)
         if config.lambda_swa > 0 and not self.metadata.has_source_stats:
             if self.spec.adapts:
                 log.warning(
@@ -207,6 +214,16 @@ class AdaptiveModel:
             config = config.updated({"lambda_swa": 0.0})
         if config.mu <= 0 or config.eta < 0 or not 0 <= config.gamma <= 1:
             raise ValueError("need mu > 0, eta >= 0 and 0 <= gamma <= 1")
+        if not 0 <= config.alpha < 1 or not 0 <= config.momentum < 1:
+            raise ValueError("need 0 <= alpha < 1 and 0 <= momentum < 1")
+        if config.reference_batch < 1 or config.coef_window < 1 or (
+            config.stat_window is not None and config.stat_window < 1
+        ):
+            raise ValueError("need reference_batch >= 1, coef_window >= 1, stat_window >= 1")
+        if (config.coef_clip is not None and config.coef_clip <= 0) or (
+            config.trust_radius is not None and config.trust_radius <= 0
+        ):
+            raise ValueError("coef_clip and trust_radius must be > 0 (or None: off)")
         fp = config.forwards
         if self.spec.adapts and (fp < 2 or fp % 2 or (fp != 2 and not config.two_sided)):
             raise ValueError(
@@ -287,6 +304,8 @@ class AdaptiveModel:
             "samples": counter.samples,
             "forwards": counter.forwards,
             "forwards_per_sample": counter.per_sample,
+            "clipped_coefficients": self.state.clipped_coefs,
+            "clipped_steps": self.state.clipped_steps,
             "drift": float(np.linalg.norm(self.state.theta - self.metadata.theta0)),
             "mean_entropy": self.last.entropy,
             "mean_logit_norm": self.last.logit_norm,
@@ -308,7 +327,7 @@ class AdaptiveModel:
             return self.predict(x)
         x = self.session.check_input(x)
         n_anchor = self._share.take(x.shape[0]) if self.config.sample_wise else 0
-        est = self._estimate(x, self.state.step, n_anchor)
+        est = self._estimate(x, self.state.step, n_anchor, control=True)
         self._record(est.prediction)
         self.state.step += 1
         if not (np.isfinite(est.coef).all() and np.isfinite(est.grad).all()):
@@ -320,12 +339,15 @@ class AdaptiveModel:
     def estimate(self, x: np.ndarray, step_index: int | None = None) -> GradientEstimate:
         """The method's zeroth-order gradient estimate on ``x`` at the current theta, from the
         perturbation stream of ``step_index`` (default: the next step), with no anchor-guided
-        rows and no change to the state. One ORT call over #FP x B rows."""
+        rows, no coefficient clipping and no change to the state. One ORT call over #FP x B
+        rows."""
         x = self.session.check_input(x)
         index = self.state.step if step_index is None else int(step_index)
-        return self._estimate(x, index, 0)
+        return self._estimate(x, index, 0, control=False)
 
-    def _estimate(self, x: np.ndarray, step_index: int, n_anchor: int) -> GradientEstimate:
+    def _estimate(
+        self, x: np.ndarray, step_index: int, n_anchor: int, control: bool
+    ) -> GradientEstimate:
         cfg, st = self.config, self.state
         batch = x.shape[0]
         d_bar = (
@@ -363,8 +385,14 @@ class AdaptiveModel:
             coef = (loss_first - loss_second) / (2.0 * cfg.mu)
         else:
             coef = (loss_second - loss_first) / cfg.mu
+        clipped = None
+        if control and np.isfinite(coef).all():
+            clipped = clip_coefficients(
+                coef, st.coef_scale, st.coef_weight, cfg.coef_clip, cfg.coef_window
+            )
+            coef = clipped.coef
         grad = self._gradient(plan, coef, z_all, pairs)
-        return GradientEstimate(prediction, grad, coef, h_mean, h_sq)
+        return GradientEstimate(prediction, grad, coef, h_mean, h_sq, clipped)
 
     # ----------------------------------------------------------------- internals
     def _perturbed_rows(
@@ -429,43 +457,57 @@ class AdaptiveModel:
         return loss
 
     def _update(self, est: GradientEstimate) -> bool:
-        """Apply the SGD step, balancing, relaxation and EMAs; False (nothing written) if the
-        new theta is not finite."""
+        """Apply the SGD step, balancing, trust radius, relaxation and the windowed statistics,
+        at the rates of this batch size; False (nothing written) if the new theta is not
+        finite."""
         cfg, st = self.config, self.state
-        grad, prediction, h_mean, h_sq = est.grad, est.prediction, est.h_mean, est.h_sq
+        batch = est.prediction.shape[0]
+        rates = step_rates(cfg, batch, st.theta.size)
         theta = st.theta.astype(np.float64)
         anchor = st.anchor.astype(np.float64)
-        velocity = cfg.momentum * st.velocity + grad if cfg.momentum else grad
-        delta = -cfg.eta * velocity
+        velocity = (
+            rates.momentum * st.velocity + (1.0 - rates.momentum) * est.grad
+            if cfg.momentum else est.grad
+        )
+        delta = -rates.eta * velocity
         balance_in, balance_out = st.balance_in, st.balance_out
-        if cfg.balance_beta is not None:
+        if rates.balance_beta is not None:
             delta, balance_in, balance_out = _balance(
-                delta, anchor - theta, balance_in, balance_out, cfg.balance_beta, cfg.eps
+                delta, anchor - theta, balance_in, balance_out, rates.balance_beta, cfg.eps
             )
         with np.errstate(over="ignore", invalid="ignore"):  # overflow is caught just below
-            new_theta = (1.0 - cfg.gamma) * (theta + delta) + cfg.gamma * anchor
+            delta, cut = limit_step(delta, rates.max_step_norm)
+            new_theta = (1.0 - rates.gamma) * (theta + delta) + rates.gamma * anchor
             new_theta = new_theta.astype(np.float32)
         if not np.isfinite(new_theta).all():  # checked in float32, the dtype that is stored
             return False
         st.theta = new_theta
         st.velocity = np.asarray(velocity, dtype=np.float32)
         st.balance_in, st.balance_out = balance_in, balance_out
-        if cfg.moving_anchor is not None:
-            m_a = cfg.moving_anchor
-            st.anchor = (m_a * new_theta.astype(np.float64) + (1.0 - m_a) * anchor).astype(
+        st.clipped_steps += int(cut)
+        if est.control is not None:
+            st.clipped_coefs += est.control.clipped
+            st.coef_scale, st.coef_weight = est.control.scale, est.control.weight
+        if rates.anchor_follow is not None:
+            follow = rates.anchor_follow
+            st.anchor = (follow * new_theta.astype(np.float64) + (1.0 - follow) * anchor).astype(
                 np.float32
             )
-        batch_center = prediction.astype(np.float64).mean(axis=0)
-        batch_mean, batch_sq = h_mean.mean(axis=0), h_sq.mean(axis=0)
-        if st.moments_ready:
-            a = cfg.alpha
-            st.center = a * st.center + (1.0 - a) * batch_center
-            st.mean = a * st.mean + (1.0 - a) * batch_mean
-            st.second_moment = a * st.second_moment + (1.0 - a) * batch_sq
-        else:
-            st.center, st.mean, st.second_moment = batch_center, batch_mean, batch_sq
-            st.moments_ready = True
+        self._update_statistics(est)
         return True
+
+    def _update_statistics(self, est: GradientEstimate) -> None:
+        """Centre and moments: windowed means over the last W samples, in stream order."""
+        st = self.state
+        factor = window_factor(statistics_window(self.config))
+        weight = st.stat_weight
+        st.center, _ = windowed_update(
+            st.center, weight, est.prediction.astype(np.float64), factor
+        )
+        st.mean, _ = windowed_update(st.mean, weight, est.h_mean, factor)
+        st.second_moment, st.stat_weight = windowed_update(
+            st.second_moment, weight, est.h_sq, factor
+        )
 
     def _record(self, prediction: np.ndarray) -> None:
         p = prediction.astype(np.float64)

@@ -20,7 +20,7 @@ import numpy as np
 
 from .atomic import atomic_write_bytes
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 _ARRAY_FIELDS = ("theta", "anchor", "center", "mean", "second_moment", "velocity")
 
 
@@ -31,7 +31,14 @@ class StateError(ValueError):
 @dataclass
 class AdaptState:
     """Everything that evolves while adapting. theta, anchor, velocity: [P]; center: [K];
-    mean, second_moment: [F] (EMA of h and h^2); arrays are float32 (float64 for EMAs)."""
+    mean, second_moment: [F] (windowed means of h and h^2); arrays are float32 (float64 for the
+    statistics).
+
+    stat_weight: total weight 1 - a^n of the n samples in center / mean / second_moment (0 =
+    none yet; see :func:`rates.windowed_update`). coef_scale, coef_weight: the running scale of
+    the SPSA coefficients and its weight. clipped_coefs, clipped_steps: counts of clipped
+    coefficients and of steps cut to the trust radius.
+    """
 
     theta: np.ndarray
     anchor: np.ndarray
@@ -39,7 +46,11 @@ class AdaptState:
     mean: np.ndarray
     second_moment: np.ndarray
     velocity: np.ndarray
-    moments_ready: bool = False
+    stat_weight: float = 0.0
+    coef_scale: float = 0.0
+    coef_weight: float = 0.0
+    clipped_coefs: int = 0
+    clipped_steps: int = 0
     balance_in: float = 0.0
     balance_out: float = 0.0
     anchor_credit: float = 0.0
@@ -70,10 +81,22 @@ class AdaptState:
         """Plain dict of copies (arrays and scalars)."""
         return {f.name: getattr(self.copy(), f.name) for f in fields(self)}
 
+    @property
+    def moments_ready(self) -> bool:
+        """Whether the centre and moments hold any sample yet."""
+        return self.stat_weight > 0
+
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> AdaptState:
+        """Build a state from arrays and scalars. Version-1 states (``moments_ready`` instead of
+        ``stat_weight``, no coefficient scale) load: full statistics weigh 1, the scale starts
+        empty."""
+        values = dict(values)
+        if "moments_ready" in values and "stat_weight" not in values:
+            values["stat_weight"] = 1.0 if values.pop("moments_ready") else 0.0
         names = {f.name for f in fields(cls)}
-        missing = sorted(set(names) - set(values))
+        optional = {"stat_weight", "coef_scale", "coef_weight", "clipped_coefs", "clipped_steps"}
+        missing = sorted(set(names) - optional - set(values))
         if missing:
             raise StateError(f"state lacks {missing}")
         kwargs = {k: v for k, v in values.items() if k in names}

@@ -94,25 +94,31 @@ def test_prediction_is_mean_of_the_two_sides(small_vit):
     assert 0 < np.abs(logits - clean).max() < 0.05
 
 
-def test_relaxation_pulls_toward_anchor(small_vit):
+@pytest.mark.parametrize("batch", [4, 64])
+def test_relaxation_pulls_toward_anchor_per_reference_batch(small_vit, batch):
+    """gamma is per 64 samples: a step of B keeps (1 - gamma)^(B / 64) of the offset."""
     model = AdaptiveModel.load(small_vit.onnx_path, "eva0",
                                {"eta": 0.0, "gamma": 0.25, "anchor_per_64": 0.0},
                                provider="cpu")
     anchor = model.state.anchor.copy()
     start = anchor + 1.0
     model.state.theta = start.copy()
-    model.step(uniform_batch(4))
-    np.testing.assert_allclose(model.state.theta, 0.75 * start + 0.25 * anchor, rtol=1e-6)
+    model.step(uniform_batch(batch))
+    keep = 0.75 ** (batch / 64)
+    np.testing.assert_allclose(model.state.theta, keep * start + (1 - keep) * anchor, rtol=1e-6)
 
 
-def test_sgd_update_is_minus_eta_times_estimate(small_vit):
-    cfg = {"eta": 0.05, "gamma": 0.0, "anchor_per_64": 0.0}
+@pytest.mark.parametrize("batch", [4, 64])
+def test_sgd_update_is_minus_eta_times_estimate_per_reference_batch(small_vit, batch):
+    """eta is per 64 samples: a step of B moves theta by eta B / 64 times the estimate."""
+    cfg = {"eta": 0.05, "gamma": 0.0, "anchor_per_64": 0.0, "coef_clip": None}
     model = AdaptiveModel.load(small_vit.onnx_path, "eva0", cfg, provider="cpu")
-    x = uniform_batch(4)
+    x = uniform_batch(batch)
     estimate = model.estimate(x)
     before = model.state.theta.astype(np.float64)
     model.step(x)
-    np.testing.assert_allclose(model.state.theta, before - 0.05 * estimate.grad, atol=1e-6)
+    expected = before - 0.05 * batch / 64 * estimate.grad
+    np.testing.assert_allclose(model.state.theta, expected, atol=1e-6)
 
 
 def test_batch_one_gets_its_anchor_row_every_64_steps(small_vit, monkeypatch):
@@ -120,9 +126,9 @@ def test_batch_one_gets_its_anchor_row_every_64_steps(small_vit, monkeypatch):
     seen = []
     original = model._estimate
 
-    def spy(x, step_index, n_anchor):
+    def spy(x, step_index, n_anchor, control):
         seen.append(n_anchor)
-        return original(x, step_index, n_anchor)
+        return original(x, step_index, n_anchor, control)
 
     monkeypatch.setattr(model, "_estimate", spy)
     x = uniform_batch(1)

@@ -1,0 +1,147 @@
+"""Rates that mean the same at every batch size, bounded steps, and batch-1 safety on the
+shipped models (issue: safe at any batch size)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eva0_edge.bench.fashion_mnist import load_fashion_mnist
+from eva0_edge.runtime.config import AdaptConfig
+from eva0_edge.runtime.engine import AdaptiveModel
+from eva0_edge.runtime.modelfile import read_metadata
+from eva0_edge.runtime.preprocess import preprocess_uint8
+from eva0_edge.runtime.rates import (
+    statistics_window,
+    step_rates,
+    window_factor,
+    windowed_update,
+)
+from eva0_edge.runtime.state import AdaptState
+from eva0_edge.runtime.stepcontrol import clip_coefficients, limit_step
+from tests.conftest import uniform_batch
+from tests.test_testbed import SHIPPED
+
+
+def test_one_batch_of_b_equals_b_batches_of_one():
+    """The windowed statistics depend on the samples and their order, not on the batching."""
+    samples = np.random.default_rng(0).normal(size=(24, 5))
+    factor = window_factor(64.0)
+    whole, whole_weight = windowed_update(np.zeros(5), 0.0, samples, factor)
+    value, weight = np.zeros(5), 0.0
+    for row in samples:
+        value, weight = windowed_update(value, weight, row[None, :], factor)
+    np.testing.assert_allclose(value, whole, rtol=1e-12)
+    assert weight == pytest.approx(whole_weight, rel=1e-12)
+    halves = windowed_update(*windowed_update(np.zeros(5), 0.0, samples[:10], factor),
+                             samples[10:], factor)
+    np.testing.assert_allclose(halves[0], whole, rtol=1e-12)
+
+
+def test_window_statistics_start_from_the_first_samples_and_forget_old_ones():
+    factor = window_factor(64.0)
+    value, weight = windowed_update(np.zeros(1), 0.0, np.full((3, 1), 7.0), factor)
+    assert value[0] == pytest.approx(7.0)  # bias-corrected: no pull toward the zero start
+    value, weight = windowed_update(value, weight, np.zeros((640, 1)), factor)
+    assert value[0] < 7.0 * 1e-7  # ten windows later the old samples are gone
+
+
+def test_paper_alpha_reads_as_a_window_that_matches_it_at_batch_64():
+    config = AdaptConfig(alpha=0.9)
+    assert statistics_window(config) == pytest.approx(64 * 1.9 / 0.1)
+    assert window_factor(statistics_window(config)) ** 64 == pytest.approx(0.9, abs=1e-3)
+    assert statistics_window(AdaptConfig(alpha=0.0)) == 64  # not the scored sample itself
+    assert statistics_window(AdaptConfig(alpha=0.0, stat_window=500)) == 500
+
+
+def test_step_rates_are_the_paper_values_at_64_and_per_sample_below():
+    config = AdaptConfig(eta=0.01, gamma=0.01, momentum=0.9, balance_beta=0.8,
+                         moving_anchor=0.1, trust_radius=10.0)
+    at_64 = step_rates(config, 64, 100)
+    assert at_64.eta == pytest.approx(0.01 / 0.1)  # damped momentum: eta / (1 - beta) x v
+    assert (at_64.gamma, at_64.momentum, at_64.balance_beta, at_64.anchor_follow) == (
+        pytest.approx(0.01), pytest.approx(0.9), pytest.approx(0.8), pytest.approx(0.1))
+    at_1 = step_rates(config, 1, 100)
+    assert at_1.eta == pytest.approx(at_64.eta / 64)
+    assert (1 - at_1.gamma) ** 64 == pytest.approx(1 - 0.01)
+    assert at_1.momentum**64 == pytest.approx(0.9)
+    assert (1 - at_1.anchor_follow) ** 64 == pytest.approx(0.9)
+    assert at_64.max_step_norm == pytest.approx(10 * 0.01 * np.sqrt(100))
+    assert at_1.max_step_norm == pytest.approx(at_64.max_step_norm / 8)
+
+
+def test_engine_statistics_follow_the_window_rule(small_vit):
+    model = AdaptiveModel.load(small_vit.onnx_path, "eva0", {"eta": 0.0}, provider="cpu")
+    logits = model.step(uniform_batch(6))
+    factor = window_factor(statistics_window(model.config))
+    expected, weight = windowed_update(np.zeros(logits.shape[1]), 0.0, logits, factor)
+    np.testing.assert_allclose(model.state.center, expected, rtol=1e-5, atol=1e-6)
+    assert model.state.stat_weight == pytest.approx(weight)
+
+
+def test_an_injected_huge_coefficient_is_clipped_and_counted():
+    history = clip_coefficients(np.ones(64), 0.0, 0.0, 5.0, 256.0)
+    assert history.clipped == 0 and history.scale == pytest.approx(1.0)
+    coef = np.array([1.0, -1.0, 1e9, -1e9])
+    out = clip_coefficients(coef, history.scale, history.weight, 5.0, 256.0)
+    assert out.clipped == 2
+    np.testing.assert_allclose(out.coef, [1.0, -1.0, 5.0, -5.0])
+    assert out.scale < 1.2  # the outliers enter the scale clipped (at 5, not 1e9)
+    none = clip_coefficients(coef, history.scale, history.weight, None, 256.0)
+    assert none.clipped == 0 and none.coef[2] == 1e9
+    delta, cut = limit_step(np.array([3.0, 4.0]), 1.0)
+    assert cut and np.linalg.norm(delta) == pytest.approx(1.0)
+    assert limit_step(np.array([0.3, 0.4]), 1.0) == (pytest.approx([0.3, 0.4]), False)
+
+
+def test_engine_clips_a_blown_up_side_and_bounds_the_step(calibrated_vit, monkeypatch):
+    """One sample's + side gets absurd logits: its coefficient is clipped and counted, and the
+    step stays within the trust radius."""
+    model = AdaptiveModel.load(calibrated_vit, "eva0", {"eta": 0.01}, provider="cpu")
+    for seed in range(4):
+        model.step(uniform_batch(8, seed))
+    run = model.session.run
+
+    def blown_up(x, rows):
+        logits, features = run(x, rows)
+        logits[0] = 0.0
+        logits[0, 0] = 1e4
+        features[0] *= 1e3
+        return logits, features
+
+    monkeypatch.setattr(model.session, "run", blown_up)
+    before = model.state.theta.copy()
+    model.step(uniform_batch(8, 9))
+    stats = model.stats()
+    assert stats["clipped_coefficients"] >= 1 and stats["skipped_steps"] == 0
+    radius = step_rates(model.config, 8, before.size).max_step_norm
+    assert np.linalg.norm(model.state.theta - before) <= radius * 1.001
+
+
+def test_version_one_state_dicts_still_load(calibrated_vit):
+    model = AdaptiveModel.load(calibrated_vit, "eva0", provider="cpu")
+    model.step(uniform_batch(4))
+    legacy = model.state_dict()
+    for name in ("stat_weight", "coef_scale", "coef_weight", "clipped_coefs", "clipped_steps"):
+        legacy.pop(name)
+    legacy["moments_ready"] = True
+    state = AdaptState.from_dict(legacy)
+    assert state.stat_weight == 1.0 and state.coef_weight == 0.0 and state.moments_ready
+
+
+def _clean_stream(path, count: int) -> tuple[np.ndarray, np.ndarray]:
+    images, labels = load_fashion_mnist("test")
+    order = np.random.default_rng(5).permutation(len(labels))[:count]
+    return preprocess_uint8(images[order], read_metadata(path).preprocessing), labels[order]
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_batch_one_on_a_clean_stream_does_not_lose_to_noadapt(path):
+    x, y = _clean_stream(path, 256)
+    noadapt = AdaptiveModel.load(path, "noadapt", provider="cpu", threads=1)
+    reference = 100 * float((noadapt.predict(x).argmax(1) == y).mean())
+    model = AdaptiveModel.load(path, "eva0", provider="cpu", threads=1)
+    hits = sum(int(model.step(x[i : i + 1]).argmax(1)[0] == y[i]) for i in range(len(y)))
+    stats = model.stats()
+    assert 100 * hits / len(y) >= reference - 1.0
+    assert stats["skipped_steps"] == 0 and stats["drift"] < 5.0
