@@ -6,7 +6,7 @@ STAMP := $(VENV)/.eva0-edge-installed
 
 FMNIST := /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz
 
-.PHONY: blackbox setup data demo test test-fast lint
+.PHONY: blackbox setup data demo test test-fast lint tables sweep tune
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -49,3 +49,25 @@ tables: setup data
 blackbox: setup data
 	$(VENV)/bin/python -m eva0_edge.bench.blackbox --model models/vit_fmnist.onnx \
 		--limit $(TABLE_LIMIT) --out out/blackbox
+
+# Does adaptation hurt at any batch size? Clean (2000 test images, B = 1..64) and severity 5
+# (single + continual, B = 1, 4, 16, 64) for both shipped models, one report each.
+SWEEP_METHODS ?= noadapt,eva0
+sweep: setup data
+	for m in vit_fmnist resnet_gn_fmnist; do \
+		$(VENV)/bin/eva0-edge eval --model models/$$m.onnx --corruptions clean --limit 2000 \
+			--batch-sizes 1,2,4,8,16,32,64 --methods $(SWEEP_METHODS) --threads 1 \
+			--out out/sweep/$$m-clean -q; \
+		for p in single continual; do \
+			$(VENV)/bin/eva0-edge eval --model models/$$m.onnx --protocol $$p --severity 5 \
+				--limit $(TABLE_LIMIT) --batch-sizes 1,4,16,64 --methods $(SWEEP_METHODS) \
+				--threads 1 --out out/sweep/$$m-$$p -q; \
+		done; done
+
+# Tune every table method on the validation split, the same budget each (models/tune.py).
+TUNE_METHODS := eva0 eva0-dagger zoa spsa2-shared tent sar deyo
+tune: setup data
+	for m in vit_fmnist resnet_gn_fmnist; do for method in $(TUNE_METHODS); do \
+		$(PY) models/tune.py --model models/$$m.onnx --method $$method --limit 500 \
+			--clean-limit 1000 --write; \
+	done; done

@@ -8,8 +8,9 @@ each on the same source model as the ONNX file, following the authors' code.
   view (4x4 patches), loss re-weighted by exp(-(E - 0.4 ln C)) + exp(PLPD).
 
 SAR and DeYO adapt the norms the ONNX model adapts (its theta layout), TENT every norm affine.
-Learning rates follow the paper at batch 64 (0.001 ViT, 0.00025 ResNet-GN), scaled linearly
-with the batch size.
+Learning rates are quoted at batch 64 (default: the paper's, 0.001 ViT, 0.00025 ResNet-GN; a
+model file's ``tuned`` value when it has one) and scaled as the authors' code scales them:
+linearly with the batch size, and for SAR and DeYO doubled below a batch of 32.
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ class BackpropTTA:
         self.model = model
         self.num_classes = metadata.num_classes
         base_lr = lr if lr is not None else PAPER_LR.get(metadata.family, 1e-3)
-        self.lr = base_lr * batch_size / 64
+        small_batch_boost = 2.0 if method != "tent" and batch_size < 32 else 1.0
+        self.lr = base_lr * batch_size / 64 * small_batch_boost
         self.adapted = None if method == "tent" else {s.name for s in metadata.theta_layout}
         self.seed = seed
         self.source_state = copy.deepcopy(model.state_dict())

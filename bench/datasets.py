@@ -20,6 +20,7 @@ from .corruptions import CORRUPTIONS, corrupt_images
 from .fashion_mnist import load_fashion_mnist, train_val_indices
 
 TEST_SEED = 2026  # corruption seed of the test domains
+CLEAN = "clean"  # the domain of uncorrupted images ("does adapting hurt clean data?")
 VALIDATION_SEED = 7  # corruption seed of the tuning domains (held-out train images)
 _CHUNK = 500
 
@@ -66,20 +67,25 @@ def corrupted_fmnist(
     indices: np.ndarray | None = None,
     progress: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """uint8 [N, 32, 32, 3] corrupted images and labels of a Fashion-MNIST split.
+    """uint8 [N, 32, 32, 3] corrupted images and labels of a Fashion-MNIST split
+    (``corruption`` :data:`CLEAN`: the images as they are).
 
     The whole split is generated once into ``cache_dir()/fmnist-c`` (an atomic ``.npy``) and
     loaded afterwards. With ``indices`` and no cache yet, only those images are generated (not
     cached): the same pixels as in the full set, since each image is seeded by its index.
     ``split``: 'test', or 'val' (the 5000 held-out train images).
     """
-    if corruption not in CORRUPTIONS:
-        raise ValueError(f"unknown corruption {corruption!r}; known: {', '.join(CORRUPTIONS)}")
+    if corruption not in (CLEAN, *CORRUPTIONS):
+        raise ValueError(
+            f"unknown corruption {corruption!r}; known: {CLEAN}, {', '.join(CORRUPTIONS)}"
+        )
     base_split = "train" if split == "val" else split
     images, labels = load_fashion_mnist(base_split)
     if split == "val":
         _, val_idx = train_val_indices(len(images))
         images, labels = images[val_idx], labels[val_idx]
+    if corruption == CLEAN:
+        return (images, labels) if indices is None else (images[indices], labels[indices])
     path = cache_dir() / "fmnist-c" / f"{split}-seed{seed}" / f"{corruption}-{severity}.npy"
     if path.is_file():
         cached = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -112,7 +118,8 @@ def fmnist_c_domains(
     progress: bool = True,
 ) -> list[Domain]:
     """The corrupted domains of Fashion-MNIST-C at one severity (test or validation split),
-    restricted to ``indices`` of the split when given."""
+    restricted to ``indices`` of the split when given; :data:`CLEAN` names the uncorrupted
+    images as a domain."""
     if seed is None:
         seed = TEST_SEED if split == "test" else VALIDATION_SEED
     domains = []
@@ -133,6 +140,12 @@ def folder_domains(
     names = corruptions or sorted(
         p.name for p in root.iterdir() if (p / str(severity)).is_dir()
     )
+    absent = sorted(set(names) - {p.name for p in root.iterdir() if p.is_dir()})
+    if absent:
+        raise ValueError(
+            f"no folder for {absent} under {root} (a clean domain is a folder "
+            f"{CLEAN}/{severity}/class/image here)"
+        )
     if not names:
         raise ValueError(f"no <corruption>/{severity}/ folders under {root}")
     ordered = [c for c in CORRUPTIONS if c in names] + [c for c in names if c not in CORRUPTIONS]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +16,14 @@ from eva0_edge.runtime.foa import FOA_METHODS, FOAConfig
 from eva0_edge.runtime.methods import RUNTIME_METHODS, base_name, is_prompt_method, load_method
 from eva0_edge.runtime.modelfile import read_metadata
 
+from .corruptions import CORRUPTIONS
 from .datasets import Domain, fmnist_c_domains, folder_domains
 from .fashion_mnist import VAL_SIZE, load_fashion_mnist
 from .protocols import StreamMethod, StreamResult, run_protocol
 from .report import write_report
 
 BACKPROP = ("tent", "sar", "deyo")
+BACKPROP_KEYS = ("lr",)  # --set lr=... : the torch baselines' learning rate at batch 64
 
 
 @dataclass
@@ -34,6 +36,8 @@ class EvalSpec:
     severity: int
     batch_size: int
     methods: list[str]
+    batch_sizes: list[int] | None = None
+    corruptions: list[str] | None = None
     seed: int = 0
     limit: int | None = None
     split: str = "test"
@@ -58,15 +62,14 @@ def _check_method(name: str) -> None:
 
 def split_overrides(overrides: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """``--set`` values -> (EVA-0-family settings, FOA settings); ValueError for a key that is
-    neither."""
+    none of those nor a torch baseline's (``lr``)."""
     engine_keys = {f.name for f in fields(AdaptConfig)}
     foa_keys = {f.name for f in fields(FOAConfig)}
     values = dict(overrides or {})
-    unknown = sorted(set(values) - engine_keys - foa_keys)
+    known = engine_keys | foa_keys | set(BACKPROP_KEYS)
+    unknown = sorted(set(values) - known)
     if unknown:
-        raise ValueError(
-            f"unknown hyper-parameter(s) {unknown}; known: {sorted(engine_keys | foa_keys)}"
-        )
+        raise ValueError(f"unknown hyper-parameter(s) {unknown}; known: {sorted(known)}")
     return (
         {k: v for k, v in values.items() if k in engine_keys},
         {k: v for k, v in values.items() if k in foa_keys},
@@ -95,7 +98,8 @@ def method_factory(spec: EvalSpec, name: str) -> Callable[[], StreamMethod]:
             "like: evaluate it on the float model"
         )
     model = load_torch_source(metadata, spec.torch_checkpoint)
-    return lambda: BackpropTTA(name, model, metadata, None, spec.batch_size, spec.seed)
+    lr = (spec.overrides or {}).get("lr", metadata.tuned.get(name, {}).get("lr"))
+    return lambda: BackpropTTA(name, model, metadata, lr, spec.batch_size, spec.seed)
 
 
 def model_for(spec: EvalSpec, name: str) -> str:
@@ -112,15 +116,19 @@ def model_for(spec: EvalSpec, name: str) -> str:
 
 def load_domains(spec: EvalSpec, progress: bool = True) -> list[Domain]:
     """Fashion-MNIST-C (``fmnist-c``) or an ImageNet-C-style folder; a seeded subset of
-    ``limit`` images of each domain when a limit is set (the same images in every domain)."""
+    ``limit`` images of each domain when a limit is set (the same images in every domain).
+    ``spec.corruptions`` picks domains (``clean``: the uncorrupted images); default: all 15."""
     rng = np.random.default_rng(spec.seed)
     if spec.dataset == "fmnist-c":
         indices = None
         if spec.limit:
             size = VAL_SIZE if spec.split == "val" else len(load_fashion_mnist(spec.split)[1])
             indices = np.sort(rng.choice(size, min(spec.limit, size), replace=False))
-        return fmnist_c_domains(spec.severity, spec.split, indices=indices, progress=progress)
-    domains = folder_domains(spec.dataset, spec.severity)
+        return fmnist_c_domains(
+            spec.severity, spec.split, corruptions=spec.corruptions or CORRUPTIONS,
+            indices=indices, progress=progress,
+        )
+    domains = folder_domains(spec.dataset, spec.severity, spec.corruptions)
     if spec.limit:
         domains = [
             d.subset(np.sort(rng.choice(len(d), min(spec.limit, len(d)), replace=False)))
@@ -132,23 +140,35 @@ def load_domains(spec: EvalSpec, progress: bool = True) -> list[Domain]:
 def evaluate(
     spec: EvalSpec, out_dir: str | os.PathLike | None = None, progress: bool = True
 ) -> dict[str, StreamResult]:
-    """Run every method of ``spec``; write the report to ``out_dir`` if given."""
+    """Run every method of ``spec`` at every batch size; write the report to ``out_dir`` if
+    given. Keys: the method name, with `` B=<batch>`` appended when several batch sizes run."""
     for name in spec.methods:
         _check_method(name)
     split_overrides(spec.overrides)
-    if spec.batch_size < 1:
-        raise ValueError("batch size must be >= 1")
+    sizes = batch_sizes(spec)
     metadata = read_metadata(spec.model)
     domains = load_domains(spec, progress)
     results = {}
-    for name in spec.methods:
-        results[name] = run_protocol(
-            name, method_factory(spec, name), domains, spec.protocol, spec.batch_size,
-            metadata.preprocessing, spec.seed, progress,
-        )
+    for batch in sizes:
+        batch_spec = replace(spec, batch_size=batch, batch_sizes=None)
+        for name in spec.methods:
+            key = name if len(sizes) == 1 else f"{name} B={batch}"
+            results[key] = run_protocol(
+                name, method_factory(batch_spec, name), domains, spec.protocol, batch,
+                metadata.preprocessing, spec.seed, progress,
+            )
     if out_dir is not None:
         write_report(results, spec_dict(spec), Path(out_dir))
     return results
+
+
+def batch_sizes(spec: EvalSpec) -> list[int]:
+    """The batch sizes ``spec`` runs (``batch_sizes``, else ``batch_size``); ValueError if any
+    is below 1."""
+    sizes = list(spec.batch_sizes or [spec.batch_size])
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"batch sizes must be >= 1, got {sizes}")
+    return sizes
 
 
 def spec_dict(spec: EvalSpec) -> dict[str, Any]:

@@ -37,6 +37,7 @@ class StreamResult:
 
     method: str
     accuracy: dict[str, float]
+    batch: int = 0
     batch_correct: list[int] = field(default_factory=list)
     batch_size: list[int] = field(default_factory=list)
     batch_domain: list[str] = field(default_factory=list)
@@ -44,6 +45,7 @@ class StreamResult:
     logit_norm: list[float] = field(default_factory=list)
     skipped_steps: int = 0
     forwards_per_sample: float | None = None
+    final_stats: dict = field(default_factory=dict)
 
     @property
     def average(self) -> float:
@@ -73,7 +75,7 @@ def run_protocol(
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; use one of {PROTOCOLS}")
     method = make_method()
-    result = StreamResult(name, {})
+    result = StreamResult(name, {}, batch_size)
     total = sum(-(-len(d) // batch_size) for d in domains)
     bar = tqdm(
         total=total, desc=f"{name} [{protocol}]", disable=None if progress else True, leave=False
@@ -101,6 +103,7 @@ def run_protocol(
     stats = getattr(method, "stats", None)
     if stats:
         final = stats()
+        result.final_stats = final
         result.skipped_steps = int(final["skipped_steps"])
         result.forwards_per_sample = float(final["forwards_per_sample"])
     return result

@@ -50,14 +50,23 @@ def plot_stream(results: dict, title: str, path: Path) -> None:
 
 
 def table_rows(results: dict[str, StreamResult]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the paper's table: method, each domain's accuracy, average."""
+    """Header and rows of the paper's table: method, batch size, each domain's accuracy,
+    average, and the final drift ||theta - theta0|| of the runtime methods."""
     domains = list(next(iter(results.values())).accuracy)
-    header = ["method", *domains, "avg"]
+    header = ["method", "B", *domains, "avg", "drift"]
     rows = [
-        [name, *(f"{r.accuracy[d]:.1f}" for d in domains), f"{r.average:.1f}"]
+        [
+            name.split(" B=")[0], str(r.batch), *(f"{r.accuracy[d]:.1f}" for d in domains),
+            f"{r.average:.1f}", _drift(r),
+        ]
         for name, r in results.items()
     ]
     return header, rows
+
+
+def _drift(result: StreamResult) -> str:
+    drift = result.final_stats.get("drift")
+    return "" if drift is None else f"{drift:.3g}"
 
 
 def results_json(results: dict[str, StreamResult], spec: dict[str, Any]) -> str:
@@ -65,10 +74,12 @@ def results_json(results: dict[str, StreamResult], spec: dict[str, Any]) -> str:
         "spec": spec,
         "results": {
             name: {
+                "batch_size": r.batch,
                 "accuracy": r.accuracy,
                 "average": r.average,
                 "skipped_steps": r.skipped_steps,
                 "forwards_per_sample": r.forwards_per_sample,
+                "final_stats": r.final_stats,
             }
             for name, r in results.items()
         },
@@ -88,8 +99,9 @@ def markdown_table(results: dict[str, StreamResult]) -> str:
 def write_report(results: dict, spec: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     """Write ``results.md``, ``results.json`` and ``stream.png`` into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    sizes = spec.get("batch_sizes") or [spec["batch_size"]]
     title = (f"{spec['model']} - {spec['dataset']} severity {spec['severity']}, "
-             f"{spec['protocol']}, batch {spec['batch_size']}")
+             f"{spec['protocol']}, batch {','.join(map(str, sizes))}")
     md = f"## {title}\n\n{markdown_table(results)}\n\n```json\n{json.dumps(spec)}\n```\n"
     paths = {"md": out_dir / "results.md", "json": out_dir / "results.json",
              "png": out_dir / "stream.png"}

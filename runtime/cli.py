@@ -160,7 +160,9 @@ def _cmd_eval(args: argparse.Namespace) -> None:
         protocol=args.protocol,
         severity=args.severity,
         batch_size=args.batch_size,
-        methods=[m.strip() for m in args.methods.split(",") if m.strip()],
+        methods=_names(args.methods),
+        batch_sizes=[int(b) for b in _names(args.batch_sizes)] if args.batch_sizes else None,
+        corruptions=_names(args.corruptions) if args.corruptions else None,
         seed=args.seed,
         limit=args.limit,
         split=args.split,
@@ -177,6 +179,11 @@ def _cmd_eval(args: argparse.Namespace) -> None:
             print(f"{name}: {result.skipped_steps} adaptation steps skipped (non-finite)")
     if args.out:
         print(f"report: {args.out}/results.md, results.json, stream.png")
+
+
+def _names(text: str) -> list[str]:
+    """``"a, b,,c"`` -> ``["a", "b", "c"]``."""
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def _cmd_bench(args: argparse.Namespace) -> None:
@@ -357,6 +364,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(name@FP sets #FP, e.g. eva0-clubs@8, foa-dagger@14) plus the torch "
                    "baselines tent, sar, deyo")
     p.add_argument("--limit", type=int, help="images per corruption (a seeded subset)")
+    p.add_argument("--batch-sizes", help="comma-separated: one run per batch size in one "
+                   "report (a row per method and batch size); overrides --batch-size")
+    p.add_argument("--corruptions", help="comma-separated domains (default: all 15); 'clean' "
+                   "is the uncorrupted images, e.g. --corruptions clean")
     p.add_argument("--split", default="test", choices=["test", "val"],
                    help="fmnist-c: test, or val (held-out train images, for tuning)")
     p.add_argument("--torch-checkpoint", help="torch weights for tent/sar/deyo on a non-shipped "

@@ -36,6 +36,7 @@ def describe(metadata: ModelMetadata, *, full: bool = False) -> str:
         f"source stats     {'yes' if metadata.has_source_stats else 'no (lambda = 0 only)'}",
         f"quantization     {quant.get('scheme', 'none (float32)')}",
         f"recommended      {metadata.recommended or '-'}",
+        f"tuned per method {metadata.tuned or '-'}",
         f"format version   {metadata.format_version}",
         "theta layout:",
         *_segments(metadata.theta_layout, 10**9 if full else 12),

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 ADAPTED_INPUTS = ("theta", "prompt")
 META_KEY = "eva0_edge.meta"
 ARRAY_PREFIX = "eva0_edge.array."
@@ -65,6 +65,11 @@ class ModelMetadata:
     or ``prompt`` (black-box prompt mode: [R, T, D] input prompt tokens after the CLS token, fed
     as theta rows of P = T * D values reshaped to ``theta_layout[0].shape``). ``black_box``: the
     weights are frozen in the graph and theta0 holds no weights (it is the initial prompt).
+
+    ``recommended``: hyper-parameters for every method (AdaptConfig keys). ``tuned``: per method,
+    the values its tuning on the validation split chose (``models/tune.py``), applied after the
+    method's own settings: AdaptConfig keys for the runtime methods, ``lr`` for the torch
+    baselines (format 3; absent in older files).
     """
 
     architecture: str
@@ -79,6 +84,7 @@ class ModelMetadata:
     adapted_input: str = "theta"
     black_box: bool = False
     recommended: dict[str, Any] = field(default_factory=dict)
+    tuned: dict[str, dict[str, Any]] = field(default_factory=dict)
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 

@@ -189,3 +189,25 @@ def test_eval_end_to_end(tmp_path, protocol, batch_size, methods):
             assert result["forwards_per_sample"] == int(name.split("@")[1])
     assert (out / "stream.png").stat().st_size > 10_000
     assert "| method |" in (out / "results.md").read_text()
+
+
+def test_eval_sweeps_batch_sizes_on_the_clean_domain(tmp_path):
+    """``--batch-sizes`` gives one report with a row per method and batch size;
+    ``--corruptions clean`` is the uncorrupted images (NoAdapt's accuracy is the same at every
+    batch size and equals the plain prediction on those images)."""
+    from eva0_edge.runtime.cli import main
+
+    out = tmp_path / "sweep"
+    assert main(["eval", "--model", str(SHIPPED[1]), "--corruptions", "clean",
+                 "--batch-sizes", "1,4", "--methods", "noadapt,eva0", "--limit", "12",
+                 "--out", str(out), "-q"]) == 0
+    report = json.loads((out / "results.json").read_text())
+    assert list(report["results"]) == ["noadapt B=1", "eva0 B=1", "noadapt B=4", "eva0 B=4"]
+    rows = report["results"]
+    assert [r["batch_size"] for r in rows.values()] == [1, 1, 4, 4]
+    assert all(list(r["accuracy"]) == ["clean"] for r in rows.values())
+    assert rows["noadapt B=1"]["average"] == rows["noadapt B=4"]["average"]
+    assert rows["eva0 B=1"]["final_stats"]["steps"] == 12
+    assert "| eva0 | 4 |" in (out / "results.md").read_text()
+    assert main(["eval", "--model", str(SHIPPED[1]), "--corruptions", "fog,sunshine",
+                 "--limit", "4", "-q"]) == 2
