@@ -251,13 +251,16 @@ class AdaptiveModel:
         self._check_shapes(state)
         self._install(state)
 
-    def _check_shapes(self, state: AdaptState) -> None:
+    def _state_sizes(self) -> dict[str, int]:
+        """Elements of every state array for this model."""
         md = self.metadata
-        expected = {
+        return {
             "theta": md.num_params, "anchor": md.num_params, "velocity": md.num_params,
             "center": md.num_classes, "mean": md.num_features, "second_moment": md.num_features,
         }
-        for name, size in expected.items():
+
+    def _check_shapes(self, state: AdaptState) -> None:
+        for name, size in self._state_sizes().items():
             if getattr(state, name).shape != (size,):
                 raise StateError(
                     f"state {name} has shape {getattr(state, name).shape}, model needs ({size},)"
@@ -274,10 +277,20 @@ class AdaptiveModel:
         self.state.anchor_credit = self._share.credit
         return encode_state(self.state, self.fingerprint, {"method": self.method})
 
-    def load_state_bytes(self, data: bytes) -> None:
-        state, _ = decode_state(data, self.fingerprint)
+    def parse_state_bytes(self, data: bytes) -> AdaptState:
+        """Decode and validate state bytes for this model (sizes from the archive headers
+        first, checksum, fingerprint, every value and shape) without touching the current
+        state, so it may run on any thread; StateError names what is wrong."""
+        state, _ = decode_state(data, self.fingerprint, self._state_sizes())
         self._check_shapes(state)
+        return state
+
+    def install_state(self, state: AdaptState) -> None:
+        """Replace the state with one from :meth:`parse_state_bytes`."""
         self._install(state)
+
+    def load_state_bytes(self, data: bytes) -> None:
+        self._install(self.parse_state_bytes(data))
 
     def save_state(self, path: str | os.PathLike) -> Path:
         """Write the state atomically (temp file, fsync, rename)."""
@@ -285,7 +298,7 @@ class AdaptiveModel:
 
     def load_state(self, path: str | os.PathLike) -> None:
         """Load a state file written by :meth:`save_state` for this model."""
-        state, _ = read_state_file(path, self.fingerprint)
+        state, _ = read_state_file(path, self.fingerprint, self._state_sizes())
         self._check_shapes(state)
         self._install(state)
 

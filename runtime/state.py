@@ -3,6 +3,10 @@
 A state file is an ``.npz`` holding every array of :class:`AdaptState` plus ``__meta__`` (JSON:
 scalars, the model fingerprint, and a SHA-256 over all arrays). It is written atomically; a
 truncated or tampered file fails the checksum and is refused with :class:`StateError`.
+
+The checksum proves integrity, not sense: anyone can re-sign a state. So every state is also
+validated before it is used: member sizes from the archive's headers before anything is
+decompressed, every array 1-D, floating and finite, every scalar of its type and range.
 """
 
 from __future__ import annotations
@@ -22,6 +26,11 @@ from .atomic import atomic_write_bytes
 
 STATE_VERSION = 2
 _ARRAY_FIELDS = ("theta", "anchor", "center", "mean", "second_moment", "velocity")
+_COUNTS = ("step", "skipped", "seed", "clipped_coefs", "clipped_steps")  # ints in [0, 2^63)
+_WEIGHTS = ("stat_weight", "coef_weight")  # floats in [0, 1]
+_MAGNITUDES = ("coef_scale", "balance_in", "balance_out", "anchor_credit")  # finite floats >= 0
+_NPY_HEADER_BYTES = 1024  # an .npy member's header, generously
+_META_BYTES = 1 << 16
 
 
 class StateError(ValueError):
@@ -101,8 +110,44 @@ class AdaptState:
             raise StateError(f"state lacks {missing}")
         kwargs = {k: v for k, v in values.items() if k in names}
         for name in _ARRAY_FIELDS:
-            kwargs[name] = np.array(kwargs[name], copy=True)
+            kwargs[name] = _checked_array(name, kwargs[name])
+        for name in _COUNTS:
+            if name in kwargs:
+                kwargs[name] = _checked_count(name, kwargs[name])
+        for name in (*_WEIGHTS, *_MAGNITUDES):
+            if name in kwargs:
+                kwargs[name] = _checked_float(name, kwargs[name], name in _WEIGHTS)
         return cls(**kwargs)
+
+
+def _checked_array(name: str, value: Any) -> np.ndarray:
+    array = np.array(value, copy=True)
+    if array.ndim != 1 or not np.issubdtype(array.dtype, np.floating):
+        raise StateError(f"state {name} must be a 1-D float array, got {array.dtype} "
+                         f"{list(array.shape)}")
+    if not np.isfinite(array).all():
+        raise StateError(f"state {name} holds NaN or infinite values")
+    if name == "second_moment" and (array < 0).any():
+        raise StateError("state second_moment holds negative values")
+    return array
+
+
+def _checked_count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise StateError(f"state {name} must be an integer, got {value!r:.40}")
+    if not 0 <= int(value) < 2**63:
+        raise StateError(f"state {name} = {int(value)} is out of range [0, 2^63)")
+    return int(value)
+
+
+def _checked_float(name: str, value: Any, unit: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise StateError(f"state {name} must be a number, got {value!r:.40}")
+    number = float(value)
+    if not np.isfinite(number) or number < 0 or (unit and number > 1):
+        raise StateError(f"state {name} = {number} is out of range "
+                         f"{'[0, 1]' if unit else '[0, inf)'}")
+    return number
 
 
 def _digest(arrays: dict[str, np.ndarray]) -> str:
@@ -134,8 +179,36 @@ def encode_state(state: AdaptState, fingerprint: str, info: dict[str, Any]) -> b
     return buf.getvalue()
 
 
-def decode_state(data: bytes, fingerprint: str | None = None) -> tuple[AdaptState, dict]:
-    """Parse npz bytes; verify checksum and (if given) the model fingerprint."""
+def check_member_sizes(data: bytes, sizes: dict[str, int]) -> None:
+    """Refuse an archive whose members would decompress beyond what ``sizes`` (elements per
+    array) allows, from the zip headers alone (nothing is decompressed); also unknown members."""
+    try:
+        members = zipfile.ZipFile(io.BytesIO(data)).infolist()
+    except (zipfile.BadZipFile, ValueError) as err:
+        raise StateError(f"unreadable state (truncated or not a state file): {err}") from err
+    for member in members:
+        name = member.filename.removesuffix(".npy")
+        if name == "__meta__":
+            limit = _META_BYTES
+        elif name in sizes:
+            limit = sizes[name] * 8 + _NPY_HEADER_BYTES
+        else:
+            raise StateError(f"state archive has an unknown member {member.filename!r}")
+        if member.file_size > limit:
+            raise StateError(
+                f"state member {member.filename!r} unpacks to {member.file_size} bytes; "
+                f"this model's state needs at most {limit}"
+            )
+
+
+def decode_state(
+    data: bytes, fingerprint: str | None = None, sizes: dict[str, int] | None = None
+) -> tuple[AdaptState, dict]:
+    """Parse npz bytes; check member sizes first (``sizes``: elements per array, see
+    :func:`check_member_sizes`), then the checksum, the model fingerprint (if given) and every
+    value (:meth:`AdaptState.from_dict`)."""
+    if sizes is not None:
+        check_member_sizes(data, sizes)
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as npz:
             meta = json.loads(str(npz["__meta__"]))
@@ -148,7 +221,10 @@ def decode_state(data: bytes, fingerprint: str | None = None) -> tuple[AdaptStat
         raise StateError("state checksum mismatch: the file is corrupt or was modified")
     if fingerprint is not None and meta.get("fingerprint") != fingerprint:
         raise StateError("state belongs to another model (fingerprint mismatch)")
-    state = AdaptState.from_dict({**arrays, **meta["scalars"]})
+    scalars = meta.get("scalars")
+    if not isinstance(scalars, dict):
+        raise StateError("state metadata has no scalars")
+    state = AdaptState.from_dict({**arrays, **scalars})
     return state, meta.get("info", {})
 
 
@@ -157,12 +233,14 @@ def write_state_file(path: str | os.PathLike, data: bytes) -> Path:
     return atomic_write_bytes(path, data)
 
 
-def read_state_file(path: str | os.PathLike, fingerprint: str | None = None):
+def read_state_file(
+    path: str | os.PathLike, fingerprint: str | None = None, sizes: dict[str, int] | None = None
+):
     """Read and verify a state file; returns (AdaptState, info)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"state file not found: {path}")
     try:
-        return decode_state(path.read_bytes(), fingerprint)
+        return decode_state(path.read_bytes(), fingerprint, sizes)
     except StateError as err:
         raise StateError(f"{path}: {err}") from err

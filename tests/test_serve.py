@@ -23,7 +23,7 @@ from eva0_edge.runtime.server.protocol import (
     encode_infer_response,
     parse_infer_request,
 )
-from eva0_edge.runtime.state import decode_state
+from eva0_edge.runtime.state import decode_state, encode_state
 from tests.serving import MODEL, NAME, ServerProcess
 
 MAX_BATCH = 32
@@ -320,6 +320,16 @@ def test_state_snapshot_get_put_and_reset(server, pixels):
     assert statistics(server)["steps"] == 2
     status, body = http_call(server, "PUT", f"/v2/models/{NAME}/adaptation/state", snapshot)
     assert status == 200 and json.loads(body)["steps"] == 1
+    fingerprint = AdaptiveModel.load(MODEL, "noadapt", provider="cpu").fingerprint
+    nan_state = state.copy()
+    nan_state.theta[:] = np.nan
+    text_step = state.copy()
+    text_step.step = "abc"
+    for forged in (nan_state, text_step):  # re-signed: checksum and fingerprint are valid
+        status, body = http_call(server, "PUT", f"/v2/models/{NAME}/adaptation/state",
+                                 encode_state(forged, fingerprint, {}))
+        assert status == 400 and "state refused" in json.loads(body)["error"]
+    assert statistics(server)["steps"] == 1
     reset(server)
     stats = statistics(server)
     assert stats["steps"] == 0 and stats["drift"] == 0.0

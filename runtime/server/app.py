@@ -255,8 +255,7 @@ def create_app(model: AdaptiveModel, options: ServeOptions) -> FastAPI:
 
         def do_reset(m: AdaptiveModel) -> dict:
             m.reset()
-            worker.snapshot_now()
-            return _finite(m.stats())
+            return {**_finite(m.stats()), "snapshot_written": worker.snapshot_now()}
 
         return await on_worker(do_reset)
 
@@ -270,16 +269,16 @@ def create_app(model: AdaptiveModel, options: ServeOptions) -> FastAPI:
     async def put_state(name: str, request: Request) -> Response:
         check_name(name)
         body = await _read_body(request, limit)
-
-        def install(m: AdaptiveModel) -> dict:
-            m.load_state_bytes(body)
-            worker.snapshot_now()
-            return _finite(m.stats())
-
-        try:
-            return JSONResponse(await on_worker(install))
+        try:  # decoded and validated off the worker thread: inference goes on meanwhile
+            state = await run_in_threadpool(model.parse_state_bytes, body)
         except StateError as err:
             return _error(f"state refused: {err}", 400)
+
+        def install(m: AdaptiveModel) -> dict:
+            m.install_state(state)
+            return {**_finite(m.stats()), "snapshot_written": worker.snapshot_now()}
+
+        return JSONResponse(await on_worker(install))
 
     @app.get("/metrics")
     async def prometheus() -> Response:

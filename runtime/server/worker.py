@@ -102,16 +102,19 @@ class AdaptationWorker:
         self._queue.put(_Control(operation, future))
         return future
 
-    def snapshot_now(self) -> None:
-        """Write a snapshot (worker thread only; a failure is logged, serving goes on)."""
+    def snapshot_now(self) -> bool | None:
+        """Write a snapshot (worker thread only; a failure is logged, serving goes on).
+        True when written, False when writing failed, None without a state directory."""
         if self.snapshots is None:
-            return
+            return None
+        self._steps_since_snapshot = 0
         try:
             path = self.snapshots.save(self.model)
-            log.debug("snapshot %s at step %d", path.name, self.model.state.step)
         except OSError as err:
             log.error("snapshot failed, will retry at the next interval: %s", err)
-        self._steps_since_snapshot = 0
+            return False
+        log.debug("snapshot %s at step %d", path.name, self.model.state.step)
+        return True
 
     # ------------------------------------------------------------------ thread
     def _next(self, timeout: float | None = None) -> Any:
