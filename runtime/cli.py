@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -245,11 +246,28 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         keep_snapshots=args.keep_snapshots,
         max_body_mb=args.max_body_mb,
         summary_every_s=args.summary_every,
+        max_pixels_mp=args.max_pixels_mp,
+        admin_token=args.admin_token or os.environ.get("EVA0_ADMIN_TOKEN") or None,
+        loopback=_is_loopback(args.host),
     )
+    if options.max_pixels_mp <= 0:
+        raise ValueError("need --max-pixels-mp > 0")
     if options.max_batch < 1 or options.max_delay_ms < 0 or options.snapshot_every < 1:
         raise ValueError("need --max-batch >= 1, --max-delay-ms >= 0, --snapshot-every >= 1")
     level = "debug" if args.verbose >= 2 else "info"
     run_server(model, options, args.host, args.port, level)
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether binding ``host`` serves this machine only (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _add_runtime_options(p: argparse.ArgumentParser, *, method: bool = True) -> None:
@@ -394,6 +412,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--snapshot-every", type=int, default=100, help="steps (default 100)")
     p.add_argument("--keep-snapshots", type=int, default=3, help="newest kept (default 3)")
     p.add_argument("--max-body-mb", type=float, default=64.0, help="request limit (MiB)")
+    p.add_argument("--max-pixels-mp", type=float, default=32.0,
+                   help="decoded megapixels per 'images' request (default 32)")
+    p.add_argument("--admin-token", help="bearer token of the admin endpoints (reset, PUT "
+                   "state; default: $EVA0_ADMIN_TOKEN); without one they are refused off "
+                   "loopback")
     p.add_argument("--summary-every", type=float, default=30.0,
                    help="seconds between info-level summaries (default 30)")
     p.add_argument("--threads", type=int, help="ORT intra-op threads")

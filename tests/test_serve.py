@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import http.client
 import io
 import json
@@ -262,6 +263,17 @@ def _infer_json(inputs: list[dict], **extra) -> bytes:
     return json.dumps({"inputs": inputs, **extra}).encode()
 
 
+def _encoded(image: np.ndarray, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def _images_json(encoded: list[bytes]) -> dict:
+    return {"name": "images", "datatype": "BYTES", "shape": [len(encoded)],
+            "data": [base64.b64encode(e).decode() for e in encoded]}
+
+
 def _pixels_json(x: np.ndarray, datatype: str = "FP32", name: str = "pixel_values") -> dict:
     return {"name": name, "datatype": datatype, "shape": list(x.shape), "data": x.ravel().tolist()}
 
@@ -292,6 +304,21 @@ def test_bad_input_is_refused_and_never_touches_the_state(server, pixels):
         (INFER, b"0" * (2 * 2**20), {}, 413, "exceeds the limit"),
         (INFER, _infer_json([_pixels_json(ok), _pixels_json(ok, name="images")]), {}, 400,
          "exactly one"),
+        (INFER, b'{"inputs": [{"name": "pixel_values", "datatype": "FP32", "shape": ['
+         + b"9" * 5000 + b'], "data": [1]}]}', {}, 400, "not valid JSON"),
+        (INFER, _infer_json([{"name": "pixel_values", "datatype": "INT8", "shape": [1],
+                              "data": [300]}]), {}, 400, "does not fit INT8"),
+        (INFER, _infer_json([{**_pixels_json(ok), "parameters": [1]}]), {}, 400,
+         "'parameters' must be a JSON object"),
+        (INFER, _infer_json([_pixels_json(ok)], parameters=[]), {}, 400,
+         "'parameters' must be a JSON object"),
+        (INFER, b'{"inputs": ' + b"[" * 5000 + b"]" * 5000 + b"}", {}, 400, "not valid JSON"),
+        (f"/v2/models/{NAME}/versions/7/infer", _infer_json([_pixels_json(ok)]), {}, 404,
+         "unknown version"),
+        (INFER, _infer_json([_images_json([_encoded(np.zeros((8, 8), np.uint8), "GIF")])]),
+         {}, 400, "not a decodable PNG/JPEG"),
+        (INFER, _infer_json([_images_json([_encoded(np.zeros((6000, 6000), np.uint8))])]),
+         {}, 413, "over the server's budget"),
     ]
     before = statistics(server)
     for path, body, headers, status, message in cases:
@@ -301,6 +328,8 @@ def test_bad_input_is_refused_and_never_touches_the_state(server, pixels):
     after = statistics(server)
     assert after["steps"] == before["steps"] and after["drift"] == before["drift"]
     assert server.client.is_server_ready()
+    for path in ("/docs", "/openapi.json", f"/v2/models/{NAME}/versions/2"):
+        assert http_call(server, "GET", path)[0] == 404
     with pytest.raises(Exception, match="exceeds the server's max batch"):
         server.client.infer(NAME, [tensor_input(np.zeros((MAX_BATCH + 1, 3, 32, 32), "f4"))])
 
@@ -333,6 +362,31 @@ def test_state_snapshot_get_put_and_reset(server, pixels):
     reset(server)
     stats = statistics(server)
     assert stats["steps"] == 0 and stats["drift"] == 0.0
+
+
+def test_admin_endpoints_need_the_token_or_loopback(tmp_path, pixels):
+    """Off loopback without a token: 403; with a token: 401 without or with a wrong one, 200
+    with the right one; inference stays open throughout."""
+    reset_path = f"/v2/models/{NAME}/adaptation/reset"
+    open_bind = ServerProcess(tmp_path / "open.log", "--host", "0.0.0.0")
+    try:
+        assert http_call(open_bind, "POST", reset_path)[0] == 403
+        status, state = http_call(open_bind, "GET", f"/v2/models/{NAME}/adaptation/state")
+        assert http_call(open_bind, "PUT", f"/v2/models/{NAME}/adaptation/state", state)[0] == 403
+        open_bind.client.infer(NAME, [tensor_input(pixels[:2])])
+    finally:
+        assert open_bind.stop(), open_bind.log()
+    guarded = ServerProcess(tmp_path / "token.log", "--admin-token", "s3cret")
+    try:
+        assert http_call(guarded, "POST", reset_path)[0] == 401
+        wrong = {"Authorization": "Bearer nope"}
+        assert http_call(guarded, "POST", reset_path, headers=wrong)[0] == 401
+        right = {"Authorization": "Bearer s3cret"}
+        status, body = http_call(guarded, "POST", reset_path, headers=right)
+        assert status == 200 and json.loads(body)["steps"] == 0
+        guarded.client.infer(NAME, [tensor_input(pixels[:2])])
+    finally:
+        assert guarded.stop(), guarded.log()
 
 
 def test_metrics_are_exposed(server, pixels):

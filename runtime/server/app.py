@@ -13,11 +13,17 @@ Endpoints (``{name}`` is the served model's name):
 
 Errors answer with the protocol's ``{"error": "..."}`` and a 4xx status; nothing that fails
 validation reaches the worker, so bad input never touches the adaptation state.
+
+Admin endpoints (reset, PUT state) need ``Authorization: Bearer <token>`` when a token is set
+(``--admin-token`` or ``EVA0_ADMIN_TOKEN``); without a token they are open on a loopback bind
+only and answer 403 elsewhere. Inference and the read-only endpoints stay open. No interactive
+docs or OpenAPI schema are served.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import math
 import time
@@ -50,7 +56,11 @@ MODEL_VERSION = "1"
 class ServeOptions:
     """Server settings. ``max_delay_ms``: how long the oldest queued request may wait for others
     to join its step; ``snapshot_every``: steps between snapshots; ``max_body_mb``: the largest
-    request body accepted (MiB); ``summary_every_s``: seconds between info-level summaries."""
+    request body accepted (MiB); ``summary_every_s``: seconds between info-level summaries;
+    ``max_pixels_mp``: decoded megapixels per ``images`` request; ``admin_token``: the bearer
+    token of the admin endpoints; ``loopback``: the server binds a loopback address only (admin
+    endpoints are open there without a token); ``body_timeout_s``: the longest a request body
+    may take to arrive."""
 
     name: str
     max_batch: int = 64
@@ -60,6 +70,10 @@ class ServeOptions:
     keep_snapshots: int = 3
     max_body_mb: float = 64.0
     summary_every_s: float = 30.0
+    max_pixels_mp: float = 32.0
+    admin_token: str | None = None
+    loopback: bool = True
+    body_timeout_s: float = 30.0
 
 
 def _finite(stats: dict) -> dict:
@@ -104,17 +118,40 @@ class _Summary:
         self.reset()
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ProtocolError(f"request body of {declared} bytes exceeds the limit of {limit}", 413)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ProtocolError(f"request body exceeds the limit of {limit} bytes", 413)
-        chunks.append(chunk)
-    return b"".join(chunks)
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ProtocolError(f"request body exceeds the limit of {limit} bytes", 413)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise ProtocolError(f"request body did not arrive within {timeout_s:g} s", 408) from None
+
+
+def _admin_check(request: Request, options: ServeOptions) -> None:
+    """401 without the right bearer token when one is set; 403 off loopback without one."""
+    if options.admin_token is None:
+        if not options.loopback:
+            raise ProtocolError(
+                "admin endpoints are disabled on a non-loopback bind without an admin token "
+                "(--admin-token or EVA0_ADMIN_TOKEN)", 403,
+            )
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        given.strip().encode(), options.admin_token.encode()
+    ):
+        raise ProtocolError("admin endpoint: missing or wrong bearer token", 401)
 
 
 def create_app(model: AdaptiveModel, options: ServeOptions) -> FastAPI:
@@ -137,6 +174,7 @@ def create_app(model: AdaptiveModel, options: ServeOptions) -> FastAPI:
         options.snapshot_every, on_step,
     )
     limit = int(options.max_body_mb * 2**20)
+    max_pixels = int(options.max_pixels_mp * 1e6)
     ready = asyncio.Event()
 
     @asynccontextmanager
@@ -159,11 +197,18 @@ def create_app(model: AdaptiveModel, options: ServeOptions) -> FastAPI:
             summary.emit(model)
             log.info("stopped at step %d", model.state.step)
 
-    app = FastAPI(title="eva0-edge", version=__version__, lifespan=lifespan)
+    app = FastAPI(
+        title="eva0-edge", version=__version__, lifespan=lifespan,
+        docs_url=None, redoc_url=None, openapi_url=None,
+    )
 
-    def check_name(name: str) -> None:
+    def check_name(name: str, version: str = MODEL_VERSION) -> None:
         if name != options.name:
             raise ProtocolError(f"unknown model {name!r}; this server serves {options.name!r}", 404)
+        if version != MODEL_VERSION:
+            raise ProtocolError(
+                f"unknown version {version!r} of {name!r}; versions: [{MODEL_VERSION!r}]", 404
+            )
 
     @app.exception_handler(ProtocolError)
     async def protocol_error(_: Request, err: ProtocolError) -> JSONResponse:
@@ -187,19 +232,19 @@ def create_app(model: AdaptiveModel, options: ServeOptions) -> FastAPI:
     @app.get("/v2/models/{name}")
     @app.get("/v2/models/{name}/versions/{version}")
     async def metadata(name: str, version: str = MODEL_VERSION) -> dict:
-        check_name(name)
+        check_name(name, version)
         return model_metadata(options.name, MODEL_VERSION, model.metadata)
 
     @app.get("/v2/models/{name}/ready")
     @app.get("/v2/models/{name}/versions/{version}/ready")
     async def model_ready(name: str, version: str = MODEL_VERSION) -> Response:
-        check_name(name)
+        check_name(name, version)
         return Response(status_code=200 if ready.is_set() else 503)
 
     def prepare(body: bytes, header_length: str | None):
         request = parse_infer_request(body, header_length)
         plans = plan_outputs(request.outputs, request.binary_output, model.metadata.num_classes)
-        x = model_input(request, model.metadata, options.max_batch)
+        x = model_input(request, model.metadata, options.max_batch, max_pixels)
         try:
             x = model.session.check_input(x)
         except InputError as err:
@@ -212,10 +257,10 @@ def create_app(model: AdaptiveModel, options: ServeOptions) -> FastAPI:
         start = time.perf_counter()
         status = 200
         try:
-            check_name(name)
+            check_name(name, version)
             if not ready.is_set() or not worker.alive:
                 raise ProtocolError("server is not ready", 503)
-            body = await _read_body(request, limit)
+            body = await _read_body(request, limit, options.body_timeout_s)
             parsed, plans, x = await run_in_threadpool(
                 prepare, body, request.headers.get(HEADER_LENGTH)
             )
@@ -250,8 +295,9 @@ def create_app(model: AdaptiveModel, options: ServeOptions) -> FastAPI:
         return _finite(stats)
 
     @app.post("/v2/models/{name}/adaptation/reset")
-    async def reset(name: str) -> dict:
+    async def reset(name: str, request: Request) -> dict:
         check_name(name)
+        _admin_check(request, options)
 
         def do_reset(m: AdaptiveModel) -> dict:
             m.reset()
@@ -268,7 +314,8 @@ def create_app(model: AdaptiveModel, options: ServeOptions) -> FastAPI:
     @app.put("/v2/models/{name}/adaptation/state")
     async def put_state(name: str, request: Request) -> Response:
         check_name(name)
-        body = await _read_body(request, limit)
+        _admin_check(request, options)
+        body = await _read_body(request, limit, options.body_timeout_s)
         try:  # decoded and validated off the worker thread: inference goes on meanwhile
             state = await run_in_threadpool(model.parse_state_bytes, body)
         except StateError as err:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
+MAX_DIMENSION = 2**31 - 1  # no tensor dimension beyond this (ONNX Runtime's int32 limit)
 
 _NUMPY = {
     "BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32,
@@ -60,10 +61,23 @@ class InferRequest:
 
 def _shape(value: Any, name: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIMENSION
+        for d in value
     ):
-        raise ProtocolError(f"input {name!r}: shape must be a list of non-negative integers")
+        raise ProtocolError(
+            f"input {name!r}: shape must be a list of integers in [0, {MAX_DIMENSION}]"
+        )
     return tuple(value)
+
+
+def _parameters(spec: dict, where: str) -> dict:
+    """The ``parameters`` object of ``spec`` ({} when absent); 400 when it is not an object."""
+    params = spec.get("parameters")
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise ProtocolError(f"{where}: 'parameters' must be a JSON object")
+    return params
 
 
 def _flatten(data: Any) -> list:
@@ -126,7 +140,7 @@ def _decode_tensor(
         raise ProtocolError(f"input {name!r}: {len(flat)} values for shape {list(shape)}")
     try:
         return np.asarray(flat, dtype=_NUMPY[datatype]).reshape(shape)
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, OverflowError) as err:
         raise ProtocolError(f"input {name!r}: data does not fit {datatype} ({err})") from None
 
 
@@ -144,8 +158,8 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
         head, binary = body, b""
     try:
         request = json.loads(head)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ProtocolError(f"request is not valid JSON: {err}") from None
+    except (ValueError, RecursionError) as err:  # bad JSON, huge integers, deep nesting
+        raise ProtocolError(f"request is not valid JSON: {str(err)[:200]}") from None
     if not isinstance(request, dict) or not isinstance(request.get("inputs"), list):
         raise ProtocolError("request must be a JSON object with an 'inputs' list")
     inputs: dict[str, np.ndarray | list[bytes]] = {}
@@ -157,10 +171,11 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
         name = spec["name"]
         if name in inputs:
             raise ProtocolError(f"input {name!r} given twice")
-        size = (spec.get("parameters") or {}).get("binary_data_size")
+        size = _parameters(spec, f"input {name!r}").get("binary_data_size")
         raw = None
         if size is not None:
-            if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+            if (not isinstance(size, int) or isinstance(size, bool) or size < 0
+                    or offset + size > len(binary)):
                 raise ProtocolError(f"input {name!r}: binary_data_size {size!r} exceeds the body")
             raw, offset = binary[offset : offset + size], offset + size
         elif "data" not in spec:
@@ -169,7 +184,7 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
         datatypes[name] = spec["datatype"]
     if offset != len(binary):
         raise ProtocolError(f"{len(binary) - offset} bytes of binary data belong to no input")
-    params = request.get("parameters") or {}
+    params = _parameters(request, "request")
     binary_output = bool(params.get("binary_data_output", False))
     outputs = None
     if request.get("outputs") is not None:
@@ -179,7 +194,7 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
         for spec in request["outputs"]:
             if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
                 raise ProtocolError("every requested output needs a 'name'")
-            out_params = spec.get("parameters") or {}
+            out_params = _parameters(spec, f"output {spec['name']!r}")
             outputs.append(RequestedOutput(
                 spec["name"], bool(out_params.get("binary_data", binary_output)), out_params
             ))

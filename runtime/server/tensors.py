@@ -2,7 +2,9 @@
 
 Inputs (exactly one per request):
 * ``pixel_values`` FP32 [B, C, H, W], already preprocessed per the model metadata;
-* ``images`` BYTES [B], encoded PNG/JPEG images the server preprocesses.
+* ``images`` BYTES [B], encoded PNG/JPEG images the server preprocesses (other formats are
+  refused), at most ``max_pixels`` decoded pixels per request, read from the image headers
+  before anything is decoded (413 beyond).
 
 Outputs: ``logits`` FP32 [B, K], ``probabilities`` FP32 [B, K] (softmax), ``labels`` BYTES [B, k]
 (class names by decreasing probability; ``k`` is the output parameter ``top_k``, or
@@ -48,23 +50,40 @@ def model_metadata(name: str, version: str, metadata: ModelMetadata) -> dict:
     }
 
 
-def _decode_images(items: list[bytes], metadata: ModelMetadata) -> np.ndarray:
-    images = []
+FORMATS = ("PNG", "JPEG")
+
+
+def _decode_images(items: list[bytes], metadata: ModelMetadata, max_pixels: int) -> np.ndarray:
+    """Open every image lazily (headers only), check the pixel budget, then decode."""
+    opened, pixels = [], 0
     for i, data in enumerate(items):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
-                image = Image.open(io.BytesIO(data))
-                image.load()
+                image = Image.open(io.BytesIO(data), formats=FORMATS)
         except (UnidentifiedImageError, OSError, ValueError, SyntaxError,
                 Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
             raise ProtocolError(f"images[{i}] is not a decodable PNG/JPEG image ({err})") from None
-        images.append(image)
-    return preprocess_images(images, metadata.preprocessing)
+        pixels += image.width * image.height
+        if pixels > max_pixels:
+            raise ProtocolError(
+                f"images up to images[{i}] hold {pixels} pixels, over the server's budget of "
+                f"{max_pixels} per request (--max-pixels-mp)", 413,
+            )
+        opened.append(image)
+    for i, image in enumerate(opened):
+        try:
+            image.load()
+        except (OSError, ValueError, SyntaxError) as err:
+            raise ProtocolError(f"images[{i}] is not a decodable PNG/JPEG image ({err})") from None
+    return preprocess_images(opened, metadata.preprocessing)
 
 
-def model_input(request: InferRequest, metadata: ModelMetadata, max_batch: int) -> np.ndarray:
-    """The request's batch as float32 [B, C, H, W] (not yet range-checked)."""
+def model_input(
+    request: InferRequest, metadata: ModelMetadata, max_batch: int, max_pixels: int
+) -> np.ndarray:
+    """The request's batch as float32 [B, C, H, W] (not yet range-checked); ``max_pixels``:
+    the decoded-pixel budget of an ``images`` request."""
     names = set(request.inputs)
     unknown = names - {PIXELS, IMAGES}
     if unknown:
@@ -85,7 +104,7 @@ def model_input(request: InferRequest, metadata: ModelMetadata, max_batch: int) 
             raise ProtocolError(f"{IMAGES!r} must be BYTES, got {request.datatypes[name]}")
         if not data:
             raise ProtocolError(f"{IMAGES!r} is an empty batch")
-        return _decode_images(data, metadata)
+        return _decode_images(data, metadata, max_pixels)
     if request.datatypes[name] != "FP32":
         raise ProtocolError(f"{PIXELS!r} must be FP32, got {request.datatypes[name]}")
     return data
