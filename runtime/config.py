@@ -41,6 +41,11 @@ class AdaptConfig:
     clipping). trust_radius: ||delta theta|| <= trust_radius eta sqrt(P B / 64) per step, i.e.
     a root-mean-square change per adapted parameter of at most trust_radius x eta per reference
     batch, with the sqrt(B / 64) rule of noise-dominated steps (None = unbounded).
+
+    Health guard (:mod:`guard`, on with ``guard``): signals over the last ``guard_window``
+    samples checked against the ``guard_*_min`` / ``guard_*_max`` bounds (None = unchecked;
+    entropy and spread are fractions of ln K); a healthy checkpoint every ``guard_checkpoint``
+    samples; after a trip, adaptation pauses for ``guard_pause`` samples.
     """
 
     mu: float = 0.06
@@ -64,6 +69,17 @@ class AdaptConfig:
     coef_clip: float | None = 5.0
     coef_window: float = 256.0
     trust_radius: float | None = 10.0
+    guard: bool = False
+    guard_window: float = 256.0
+    guard_checkpoint: int = 256
+    guard_pause: int = 256
+    guard_entropy_min: float | None = 0.02
+    guard_entropy_max: float | None = 0.98
+    guard_spread_min: float | None = 0.05
+    guard_logit_norm_min: float | None = None
+    guard_logit_norm_max: float | None = None
+    guard_drift_max: float | None = None
+    guard_alignment_max: float | None = None
     eps: float = 1e-8
     delta: float = 1e-8
 

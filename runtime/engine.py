@@ -21,13 +21,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .config import AdaptConfig
+from .guard import GuardBounds, HealthGuard, alignment_distance
 from .losses import sample_wise_alignment, shortcut_resistant_scores, softmax_entropy
 from .metadata import ModelMetadata
 from .modelfile import read_metadata
@@ -238,7 +239,21 @@ class AdaptiveModel:
         md = self.metadata
         self.state = AdaptState.initial(md.theta0, md.num_classes, md.num_features, self.seed)
         self._share = AnchorShare(self.config.anchor_per_64)
+        self.guard = self._new_guard()
         self.last = StepStats()
+
+    def _new_guard(self) -> HealthGuard | None:
+        cfg = self.config
+        if not (cfg.guard and self.spec.adapts):
+            return None
+        bounds = GuardBounds(**{
+            name: getattr(cfg, f"guard_{name}") for name in GuardBounds.__dataclass_fields__
+        })
+        return HealthGuard(bounds, cfg.guard_window, cfg.guard_checkpoint, cfg.guard_pause)
+
+    def freeze(self, frozen: bool = True) -> None:
+        """Predict with the current theta and stop adapting (``frozen``), or resume."""
+        self.state.frozen = bool(frozen)
 
     def state_dict(self) -> dict[str, Any]:
         """A deep copy of the state (arrays and scalars)."""
@@ -256,6 +271,7 @@ class AdaptiveModel:
         md = self.metadata
         return {
             "theta": md.num_params, "anchor": md.num_params, "velocity": md.num_params,
+            "healthy_theta": md.num_params,
             "center": md.num_classes, "mean": md.num_features, "second_moment": md.num_features,
         }
 
@@ -271,6 +287,7 @@ class AdaptiveModel:
         self.seed = state.seed
         self._share = AnchorShare(self.config.anchor_per_64)
         self._share.credit = state.anchor_credit
+        self.guard = self._new_guard()  # the signal windows warm up again
 
     def state_bytes(self) -> bytes:
         """The state as checksummed npz bytes (see :mod:`state`)."""
@@ -319,10 +336,26 @@ class AdaptiveModel:
             "forwards_per_sample": counter.per_sample,
             "clipped_coefficients": self.state.clipped_coefs,
             "clipped_steps": self.state.clipped_steps,
-            "drift": float(np.linalg.norm(self.state.theta - self.metadata.theta0)),
+            "drift": self._drift(),
             "mean_entropy": self.last.entropy,
             "mean_logit_norm": self.last.logit_norm,
+            "frozen": self.state.frozen,
+            "paused_samples_left": self.state.pause_left,
+            "guard": None if self.guard is None else {
+                "trips": self.state.guard_trips,
+                "last_reason": self.guard.last_reason,
+                "signals": self.guard.values(self._drift(), self._alignment()),
+                "bounds": asdict(self.guard.bounds),
+            },
         }
+
+    def _drift(self) -> float:
+        return float(np.linalg.norm(self.state.theta - self.metadata.theta0))
+
+    def _alignment(self) -> float | None:
+        if self._source_stats is None or not self.state.moments_ready:
+            return None
+        return alignment_distance(self.state.mean, self.state.second_moment, *self._source_stats)
 
     # ----------------------------------------------------------------- inference
     def predict(self, x: np.ndarray) -> np.ndarray:
@@ -338,6 +371,10 @@ class AdaptiveModel:
         """Predict and (for adapting methods) adapt on the batch; returns logits [B, K]."""
         if not self.spec.adapts:
             return self.predict(x)
+        if self.state.frozen or self.state.pause_left > 0:
+            logits = self.predict(x)
+            self.state.pause_left = max(0, self.state.pause_left - logits.shape[0])
+            return logits
         x = self.session.check_input(x)
         n_anchor = self._share.take(x.shape[0]) if self.config.sample_wise else 0
         est = self._estimate(x, self.state.step, n_anchor, control=True)
@@ -347,7 +384,31 @@ class AdaptiveModel:
             return self._skip(est.prediction, "non-finite loss or gradient")
         if not self._update(est):
             return self._skip(est.prediction, "non-finite theta")
+        if self.guard is not None:
+            self._watch(est.prediction)
         return est.prediction
+
+    def _watch(self, prediction: np.ndarray) -> None:
+        """Feed the health guard; checkpoint when healthy, roll back when it trips."""
+        reason, checkpoint = self.guard.observe(prediction, self._drift(), self._alignment())
+        st = self.state
+        if checkpoint:
+            st.healthy_theta = st.theta.copy()
+        if reason is None:
+            return
+        to_source = self.guard.tripped(reason)
+        if to_source:
+            st.healthy_theta = self.metadata.theta0.astype(np.float32).copy()
+        st.theta = st.healthy_theta.copy()
+        st.velocity = np.zeros_like(st.velocity)
+        st.stat_weight = 0.0  # the statistics saw the unhealthy stream: start them again
+        st.guard_trips += 1
+        st.pause_left = self.config.guard_pause
+        log.warning(
+            "health guard tripped at step %d: %s; rolled back to %s, adaptation paused for "
+            "%d samples", st.step, reason, "theta0" if to_source else "the last healthy theta",
+            st.pause_left,
+        )
 
     def estimate(self, x: np.ndarray, step_index: int | None = None) -> GradientEstimate:
         """The method's zeroth-order gradient estimate on ``x`` at the current theta, from the

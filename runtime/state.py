@@ -25,8 +25,12 @@ import numpy as np
 from .atomic import atomic_write_bytes
 
 STATE_VERSION = 2
-_ARRAY_FIELDS = ("theta", "anchor", "center", "mean", "second_moment", "velocity")
-_COUNTS = ("step", "skipped", "seed", "clipped_coefs", "clipped_steps")  # ints in [0, 2^63)
+_ARRAY_FIELDS = (
+    "theta", "anchor", "center", "mean", "second_moment", "velocity", "healthy_theta",
+)
+_COUNTS = (  # ints in [0, 2^63)
+    "step", "skipped", "seed", "clipped_coefs", "clipped_steps", "guard_trips", "pause_left",
+)
 _WEIGHTS = ("stat_weight", "coef_weight")  # floats in [0, 1]
 _MAGNITUDES = ("coef_scale", "balance_in", "balance_out", "anchor_credit")  # finite floats >= 0
 _NPY_HEADER_BYTES = 1024  # an .npy member's header, generously
@@ -46,7 +50,9 @@ class AdaptState:
     stat_weight: total weight 1 - a^n of the n samples in center / mean / second_moment (0 =
     none yet; see :func:`rates.windowed_update`). coef_scale, coef_weight: the running scale of
     the SPSA coefficients and its weight. clipped_coefs, clipped_steps: counts of clipped
-    coefficients and of steps cut to the trust radius.
+    coefficients and of steps cut to the trust radius. healthy_theta: the health guard's last
+    healthy checkpoint [P]; guard_trips: its trips; pause_left: samples to predict without
+    adapting; frozen: no adaptation until unfrozen (an admin's or the user's switch).
     """
 
     theta: np.ndarray
@@ -55,11 +61,15 @@ class AdaptState:
     mean: np.ndarray
     second_moment: np.ndarray
     velocity: np.ndarray
+    healthy_theta: np.ndarray
     stat_weight: float = 0.0
     coef_scale: float = 0.0
     coef_weight: float = 0.0
     clipped_coefs: int = 0
     clipped_steps: int = 0
+    guard_trips: int = 0
+    pause_left: int = 0
+    frozen: bool = False
     balance_in: float = 0.0
     balance_out: float = 0.0
     anchor_credit: float = 0.0
@@ -77,6 +87,7 @@ class AdaptState:
             mean=np.zeros(num_features, dtype=np.float64),
             second_moment=np.zeros(num_features, dtype=np.float64),
             velocity=np.zeros_like(theta0),
+            healthy_theta=theta0.copy(),
             seed=seed,
         )
 
@@ -98,13 +109,16 @@ class AdaptState:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> AdaptState:
         """Build a state from arrays and scalars. Version-1 states (``moments_ready`` instead of
-        ``stat_weight``, no coefficient scale) load: full statistics weigh 1, the scale starts
-        empty."""
+        ``stat_weight``, no coefficient scale, no guard) load: full statistics weigh 1, the
+        scale starts empty, the healthy checkpoint is the state's theta."""
         values = dict(values)
         if "moments_ready" in values and "stat_weight" not in values:
             values["stat_weight"] = 1.0 if values.pop("moments_ready") else 0.0
+        if "healthy_theta" not in values and "theta" in values:
+            values["healthy_theta"] = values["theta"]
         names = {f.name for f in fields(cls)}
-        optional = {"stat_weight", "coef_scale", "coef_weight", "clipped_coefs", "clipped_steps"}
+        optional = {"stat_weight", "coef_scale", "coef_weight", "clipped_coefs", "clipped_steps",
+                    "guard_trips", "pause_left", "frozen"}
         missing = sorted(set(names) - optional - set(values))
         if missing:
             raise StateError(f"state lacks {missing}")
@@ -117,6 +131,8 @@ class AdaptState:
         for name in (*_WEIGHTS, *_MAGNITUDES):
             if name in kwargs:
                 kwargs[name] = _checked_float(name, kwargs[name], name in _WEIGHTS)
+        if "frozen" in kwargs and not isinstance(kwargs["frozen"], bool):
+            raise StateError(f"state frozen must be true or false, got {kwargs['frozen']!r:.40}")
         return cls(**kwargs)
 
 

@@ -7,16 +7,17 @@ Endpoints (``{name}`` is the served model's name):
 * ``GET /v2/models/{name}`` (model metadata), ``GET /v2/models/{name}/ready``
 * ``POST /v2/models/{name}[/versions/1]/infer``
 * adaptation extension: ``GET /v2/models/{name}/adaptation/statistics``,
-  ``POST .../adaptation/reset``, ``GET .../adaptation/state`` (npz bytes),
-  ``PUT .../adaptation/state`` (npz bytes, verified before it replaces anything)
+  ``POST .../adaptation/reset``, ``POST .../adaptation/freeze`` (``{"frozen": bool}``),
+  ``GET .../adaptation/state`` (npz bytes), ``PUT .../adaptation/state`` (npz bytes, verified
+  before it replaces anything)
 * ``GET /metrics``
 
 Errors answer with the protocol's ``{"error": "..."}`` and a 4xx status; nothing that fails
 validation reaches the worker, so bad input never touches the adaptation state.
 
-Admin endpoints (reset, PUT state) need ``Authorization: Bearer <token>`` when a token is set
-(``--admin-token`` or ``EVA0_ADMIN_TOKEN``); without a token they are open on a loopback bind
-only and answer 403 elsewhere. Inference and the read-only endpoints stay open. No interactive
+Admin endpoints (reset, freeze, PUT state) need ``Authorization: Bearer <token>`` when a token
+is set (``--admin-token`` or ``EVA0_ADMIN_TOKEN``); without a token they are open on a loopback
+bind only and answer 403 elsewhere. Inference and the read-only endpoints stay open. No interactive
 docs or OpenAPI schema are served.
 """
 
@@ -165,7 +166,8 @@ def create_app(model: AdaptiveModel, options: ServeOptions) -> FastAPI:
 
     def on_step(record: StepRecord) -> None:
         metrics.record_step(
-            record, float(np.linalg.norm(model.state.theta - model.metadata.theta0))
+            record, float(np.linalg.norm(model.state.theta - model.metadata.theta0)),
+            model.state,
         )
         summary.add(record, model)
 
@@ -304,6 +306,24 @@ def create_app(model: AdaptiveModel, options: ServeOptions) -> FastAPI:
             return {**_finite(m.stats()), "snapshot_written": worker.snapshot_now()}
 
         return await on_worker(do_reset)
+
+    @app.post("/v2/models/{name}/adaptation/freeze")
+    async def freeze(name: str, request: Request) -> dict:
+        """Body ``{"frozen": true|false}``: predict without adapting, or resume."""
+        check_name(name)
+        _admin_check(request, options)
+        try:
+            frozen = (await request.json())["frozen"]
+        except (ValueError, KeyError, TypeError):
+            frozen = None
+        if not isinstance(frozen, bool):
+            raise ProtocolError('freeze needs a JSON body {"frozen": true} or {"frozen": false}')
+
+        def do_freeze(m: AdaptiveModel) -> dict:
+            m.freeze(frozen)
+            return {**_finite(m.stats()), "snapshot_written": worker.snapshot_now()}
+
+        return await on_worker(do_freeze)
 
     @app.get("/v2/models/{name}/adaptation/state")
     async def get_state(name: str) -> Response:

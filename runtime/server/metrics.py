@@ -45,8 +45,24 @@ class ServerMetrics:
         self.drift = Gauge(
             "eva0_theta_drift", "||theta - theta0|| after the last step", registry=self.registry
         )
+        self.guard_trips = Gauge(
+            "eva0_guard_trips", "Health-guard trips (rollbacks) since the state began",
+            registry=self.registry,
+        )
+        self.clipped = Gauge(
+            "eva0_clipped_coefficients", "SPSA coefficients clipped since the state began",
+            registry=self.registry,
+        )
+        self.adapting = Gauge(
+            "eva0_adapting", "1 while adapting, 0 while frozen or paused by the guard",
+            registry=self.registry,
+        )
 
-    def record_step(self, record: StepRecord, drift: float) -> None:
+    def record_step(self, record: StepRecord, drift: float, state) -> None:
+        """One step: its record, the drift, and the counters of the AdaptState ``state``."""
+        self.guard_trips.set(state.guard_trips)
+        self.clipped.set(state.clipped_coefs)
+        self.adapting.set(0 if state.frozen or state.pause_left else 1)
         self.steps.inc()
         if record.skipped:
             self.skipped.inc()

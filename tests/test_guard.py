@@ -1,0 +1,132 @@
+"""The health guard on the shipped ResNet-GN: every signal trips on a forced collapse, the
+rollback restores exactly the saved healthy theta, clean streams do not trip it, and the frozen
+mode predicts without adapting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eva0_edge.bench.fashion_mnist import load_fashion_mnist
+from eva0_edge.runtime.engine import AdaptiveModel
+from eva0_edge.runtime.guard import GuardBounds
+from eva0_edge.runtime.modelfile import read_metadata
+from eva0_edge.runtime.preprocess import preprocess_uint8
+from tests.test_testbed import SHIPPED
+
+RESNET = SHIPPED[1]
+NO_BOUNDS = {f"guard_{name}": None for name in GuardBounds.__dataclass_fields__}
+
+
+@pytest.fixture(scope="module")
+def clean() -> tuple[np.ndarray, np.ndarray]:
+    images, labels = load_fashion_mnist("test")
+    order = np.random.default_rng(11).permutation(len(labels))[:2048]
+    return preprocess_uint8(images[order], read_metadata(RESNET).preprocessing), labels[order]
+
+
+def _watching(bounds: dict, eta_scale: float = 1.0) -> AdaptiveModel:
+    eta = AdaptiveModel.load(RESNET, "eva0", provider="cpu").config.eta
+    config = {"guard": True, **NO_BOUNDS, **bounds, "eta": eta * eta_scale}
+    return AdaptiveModel.load(RESNET, "eva0", config, provider="cpu", threads=1)
+
+
+def _healthy_range(x: np.ndarray) -> dict[str, tuple[float, float]]:
+    model = _watching({})
+    seen: dict[str, list[float]] = {}
+    for i in range(0, 768, 16):
+        model.step(x[i : i + 16])
+        if model.guard.windows.samples >= model.guard.window:
+            for name, value in model.stats()["guard"]["signals"].items():
+                seen.setdefault(name, []).append(value)
+    return {name: (min(v), max(v)) for name, v in seen.items()}
+
+
+@pytest.mark.parametrize(
+    "signal,bound",
+    [("entropy", "max"), ("logit_norm", "min"), ("drift", "max"), ("alignment", "max")],
+)
+def test_each_signal_trips_on_a_forced_collapse(clean, signal, bound):
+    """eta x 1000 turns the model to noise (accuracy ~10%): near-uniform predictions, smaller
+    logits, theta and the feature moments far from the source. A bound set 1.5x past the range
+    of a healthy run trips, and names its signal."""
+    x, _ = clean
+    low, high = _healthy_range(x)[signal]
+    value = low / 1.5 if bound == "min" else high * 1.5
+    if signal == "entropy":
+        value = 1 - (1 - high) / 1.5
+    model = _watching({f"guard_{signal}_{bound}": value}, eta_scale=1000)
+    for i in range(0, 1024, 16):
+        model.step(x[i : i + 16])
+    stats = model.stats()
+    assert stats["guard"]["trips"] >= 1
+    assert stats["guard"]["last_reason"].startswith(signal)
+
+
+def test_spread_trips_on_a_one_class_stream(clean):
+    x, _ = clean
+    low, _ = _healthy_range(x)["spread"]
+    model = _watching({"guard_spread_min": low / 1.5})
+    black = np.repeat(x[:1] * 0 + x.min(), 16, axis=0)
+    for _ in range(32):
+        model.step(black)
+    assert model.stats()["guard"]["trips"] >= 1
+    assert model.stats()["guard"]["last_reason"].startswith("spread")
+
+
+def test_rollback_restores_exactly_the_saved_healthy_theta(clean):
+    x, _ = clean
+    model = _watching({"guard_drift_max": 5.0})
+    for i in range(0, 640, 16):
+        model.step(x[i : i + 16])
+    saved = model.state.healthy_theta.copy()
+    assert not np.array_equal(saved, read_metadata(RESNET).theta0)  # a checkpoint was taken
+    model.config = model.config.updated({"eta": model.config.eta * 1000})
+    model.step(x[640:656])
+    assert model.state.guard_trips == 1
+    np.testing.assert_array_equal(model.state.theta, saved)
+    assert model.stats()["paused_samples_left"] == model.config.guard_pause
+    theta = model.state.theta.copy()
+    model.step(x[656:672])  # paused: predicts, does not adapt
+    np.testing.assert_array_equal(model.state.theta, theta)
+
+
+def test_a_second_trip_right_after_a_rollback_goes_to_theta0(clean):
+    x, _ = clean
+    model = _watching({"guard_drift_max": 5.0}, eta_scale=1000)
+    model.config = model.config.updated({"guard_pause": 16})
+    for i in range(0, 1024, 16):
+        model.step(x[i : i + 16])
+        if model.state.guard_trips >= 2:
+            break
+    assert model.state.guard_trips >= 2
+    np.testing.assert_array_equal(model.state.healthy_theta, read_metadata(RESNET).theta0)
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_no_trip_on_clean_images_with_the_shipped_bounds(clean, batch):
+    x, _ = clean
+    model = AdaptiveModel.load(RESNET, "eva0", provider="cpu", threads=1)
+    assert model.config.guard and model.config.guard_drift_max is not None
+    for i in range(0, 2048, batch):
+        model.step(x[i : i + batch])
+    assert model.stats()["guard"]["trips"] == 0
+
+
+def test_frozen_predicts_without_adapting_and_persists(clean, tmp_path):
+    x, _ = clean
+    model = AdaptiveModel.load(RESNET, "eva0", provider="cpu", threads=1)
+    model.step(x[:16])
+    model.freeze()
+    theta = model.state.theta.copy()
+    forwards = model.stats()["forwards"]
+    model.step(x[16:32])
+    np.testing.assert_array_equal(model.state.theta, theta)
+    assert model.stats()["forwards"] - forwards == 16 and model.stats()["frozen"]
+    model.save_state(tmp_path / "s.npz")
+    other = AdaptiveModel.load(RESNET, "eva0", provider="cpu")
+    other.load_state(tmp_path / "s.npz")
+    assert other.stats()["frozen"]
+    other.freeze(False)
+    other.step(x[32:48])
+    assert not np.array_equal(other.state.theta, theta)
