@@ -18,6 +18,7 @@ from eva0_edge.runtime.metadata import Preprocessing
 from .cache import cache_dir
 from .corruptions import CORRUPTIONS, corrupt_images
 from .fashion_mnist import load_fashion_mnist, train_val_indices
+from .hostile import HOSTILE, ORDERED, hostile_images
 
 TEST_SEED = 2026  # corruption seed of the test domains
 CLEAN = "clean"  # the domain of uncorrupted images ("does adapting hurt clean data?")
@@ -27,13 +28,15 @@ _CHUNK = 500
 
 @dataclass
 class Domain:
-    """One corruption at one severity: images (uint8 [N, 32, 32, 3] or files) and labels [N]."""
+    """One corruption at one severity: images (uint8 [N, 32, 32, 3] or files) and labels [N]
+    (-1: unlabelled). ``ordered``: the order is the stream (never shuffled)."""
 
     name: str
     severity: int
     labels: np.ndarray
     images: np.ndarray | None = None
     files: list[Path] | None = None
+    ordered: bool = False
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -46,6 +49,7 @@ class Domain:
             self.labels[order],
             self.images[order] if self.images is not None else None,
             [self.files[i] for i in order] if self.files is not None else None,
+            self.ordered,
         )
 
     def stream(self, pre: Preprocessing) -> InputStream:
@@ -75,17 +79,22 @@ def corrupted_fmnist(
     cached): the same pixels as in the full set, since each image is seeded by its index.
     ``split``: 'test', or 'val' (the 5000 held-out train images).
     """
-    if corruption not in (CLEAN, *CORRUPTIONS):
+    if corruption not in (CLEAN, *HOSTILE, *CORRUPTIONS):
         raise ValueError(
-            f"unknown corruption {corruption!r}; known: {CLEAN}, {', '.join(CORRUPTIONS)}"
+            f"unknown domain {corruption!r}; known: {CLEAN}, {', '.join(CORRUPTIONS)}, and the "
+            f"hostile streams {', '.join(HOSTILE)}"
         )
     base_split = "train" if split == "val" else split
     images, labels = load_fashion_mnist(base_split)
     if split == "val":
         _, val_idx = train_val_indices(len(images))
         images, labels = images[val_idx], labels[val_idx]
-    if corruption == CLEAN:
-        return (images, labels) if indices is None else (images[indices], labels[indices])
+    if corruption in (CLEAN, *HOSTILE):
+        if indices is not None:
+            images, labels = images[indices], labels[indices]
+        if corruption in HOSTILE:
+            return hostile_images(corruption, images, labels, seed)
+        return images, labels
     path = cache_dir() / "fmnist-c" / f"{split}-seed{seed}" / f"{corruption}-{severity}.npy"
     if path.is_file():
         cached = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -119,13 +128,13 @@ def fmnist_c_domains(
 ) -> list[Domain]:
     """The corrupted domains of Fashion-MNIST-C at one severity (test or validation split),
     restricted to ``indices`` of the split when given; :data:`CLEAN` names the uncorrupted
-    images as a domain."""
+    images as a domain, and :data:`hostile.HOSTILE` the hostile streams."""
     if seed is None:
         seed = TEST_SEED if split == "test" else VALIDATION_SEED
     domains = []
     for name in corruptions:
         images, labels = corrupted_fmnist(split, name, severity, seed, indices, progress)
-        domains.append(Domain(name, severity, labels, images=images))
+        domains.append(Domain(name, severity, labels, images=images, ordered=name in ORDERED))
     return domains
 
 

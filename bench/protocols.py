@@ -4,9 +4,13 @@
 * ``continual``: the corruptions in sequence as one stream, never reset.
 * ``imbalanced``: SAR's online label shift: each corruption's stream sorted by class (imbalance
   ratio infinite), reset per corruption.
+* ``soak``: the continual stream ``SOAK_PASSES`` (10) times in a row, never reset; domains are
+  reported per pass as ``<domain>@<pass>``.
 
 Streams are a seeded shuffle of each domain (``single`` / ``continual``), as TTA code bases load
-ImageNet-C with ``shuffle=True``.
+ImageNet-C with ``shuffle=True``; an ``ordered`` domain (a hostile stream) keeps its order.
+Unlabelled samples (label -1) are streamed but not scored; a domain with none scored has
+accuracy NaN, left out of the average.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from eva0_edge.runtime.metadata import Preprocessing
 
 from .datasets import Domain
 
-PROTOCOLS = ("single", "continual", "imbalanced")
+PROTOCOLS = ("single", "continual", "imbalanced", "soak")
+SOAK_PASSES = 10
 
 
 class StreamMethod(Protocol):
@@ -49,11 +54,15 @@ class StreamResult:
 
     @property
     def average(self) -> float:
-        return float(np.mean(list(self.accuracy.values())))
+        """Mean accuracy over the scored domains (NaN domains left out)."""
+        values = [v for v in self.accuracy.values() if np.isfinite(v)]
+        return float(np.mean(values)) if values else float("nan")
 
 
 def stream_order(domain: Domain, protocol: str, seed: int) -> np.ndarray:
     """Indices of the domain in stream order for ``protocol``."""
+    if domain.ordered:
+        return np.arange(len(domain))
     rng = np.random.default_rng([seed, len(domain)])
     order = rng.permutation(len(domain))
     if protocol == "imbalanced":
@@ -76,18 +85,20 @@ def run_protocol(
         raise ValueError(f"unknown protocol {protocol!r}; use one of {PROTOCOLS}")
     method = make_method()
     result = StreamResult(name, {}, batch_size)
-    total = sum(-(-len(d) // batch_size) for d in domains)
+    passes = SOAK_PASSES if protocol == "soak" else 1
+    domains = [(d, p) for p in range(1, passes + 1) for d in domains]
+    total = sum(-(-len(d) // batch_size) for d, _ in domains)
     bar = tqdm(
         total=total, desc=f"{name} [{protocol}]", disable=None if progress else True, leave=False
     )
-    for i, domain in enumerate(domains):
-        if i > 0 and protocol != "continual":
+    for i, (domain, pass_index) in enumerate(domains):
+        if i > 0 and protocol in ("single", "imbalanced"):
             method.reset()
         correct = seen = 0
         stream = domain.subset(stream_order(domain, protocol, seed))
         for x, y in stream.batches(batch_size, pre):
             logits = method.step(x)
-            hits = int((logits.argmax(axis=1) == y).sum())
+            hits = int((logits.argmax(axis=1) == y).sum())  # label -1 never hits
             correct += hits
             result.batch_correct.append(hits)
             result.batch_size.append(len(y))
@@ -98,7 +109,9 @@ def run_protocol(
             bar.update(1)
             seen += len(y)
             bar.set_postfix(domain=domain.name, acc=f"{100.0 * correct / seen:.1f}")
-        result.accuracy[domain.name] = 100.0 * correct / len(domain)
+        scored = int((domain.labels >= 0).sum())
+        key = f"{domain.name}@{pass_index}" if passes > 1 else domain.name
+        result.accuracy[key] = 100.0 * correct / scored if scored else float("nan")
     bar.close()
     stats = getattr(method, "stats", None)
     if stats:

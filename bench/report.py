@@ -53,20 +53,29 @@ def table_rows(results: dict[str, StreamResult]) -> tuple[list[str], list[list[s
     """Header and rows of the paper's table: method, batch size, each domain's accuracy,
     average, and the final drift ||theta - theta0|| of the runtime methods."""
     domains = list(next(iter(results.values())).accuracy)
-    header = ["method", "B", *domains, "avg", "drift"]
+    header = ["method", "B", *domains, "avg", "drift", "trips"]
     rows = [
         [
-            name.split(" B=")[0], str(r.batch), *(f"{r.accuracy[d]:.1f}" for d in domains),
-            f"{r.average:.1f}", _drift(r),
+            name.split(" B=")[0], str(r.batch), *(_percent(r.accuracy[d]) for d in domains),
+            _percent(r.average), _drift(r), _trips(r),
         ]
         for name, r in results.items()
     ]
     return header, rows
 
 
+def _percent(value: float) -> str:
+    return f"{value:.1f}" if np.isfinite(value) else "-"
+
+
 def _drift(result: StreamResult) -> str:
     drift = result.final_stats.get("drift")
     return "" if drift is None else f"{drift:.3g}"
+
+
+def _trips(result: StreamResult) -> str:
+    guard = result.final_stats.get("guard")
+    return "" if not guard else str(guard["trips"])
 
 
 def results_json(results: dict[str, StreamResult], spec: dict[str, Any]) -> str:
@@ -75,8 +84,8 @@ def results_json(results: dict[str, StreamResult], spec: dict[str, Any]) -> str:
         "results": {
             name: {
                 "batch_size": r.batch,
-                "accuracy": r.accuracy,
-                "average": r.average,
+                "accuracy": {d: _json_number(v) for d, v in r.accuracy.items()},
+                "average": _json_number(r.average),
                 "skipped_steps": r.skipped_steps,
                 "forwards_per_sample": r.forwards_per_sample,
                 "final_stats": r.final_stats,
@@ -85,6 +94,11 @@ def results_json(results: dict[str, StreamResult], spec: dict[str, Any]) -> str:
         },
     }
     return json.dumps(payload, indent=2)
+
+
+def _json_number(value: float) -> float | None:
+    """JSON has no NaN: an unscored accuracy is null."""
+    return value if np.isfinite(value) else None
 
 
 def markdown_table(results: dict[str, StreamResult]) -> str:

@@ -376,7 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="fmnist-c (generated into the cache) or an ImageNet-C-style folder "
         "corruption/severity/class/image",
     )
-    p.add_argument("--protocol", default="single", choices=["single", "continual", "imbalanced"])
+    p.add_argument("--protocol", default="single",
+                   choices=["single", "continual", "imbalanced", "soak"],
+                   help="soak: the continual stream 10 times in a row")
     p.add_argument("--severity", type=int, default=5, choices=[1, 2, 3, 4, 5])
     p.add_argument("--methods", default="noadapt,eva0", help="comma-separated; runtime methods "
                    "(name@FP sets #FP, e.g. eva0-clubs@8, foa-dagger@14) plus the torch "
@@ -385,7 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", help="comma-separated: one run per batch size in one "
                    "report (a row per method and batch size); overrides --batch-size")
     p.add_argument("--corruptions", help="comma-separated domains (default: all 15); 'clean' "
-                   "is the uncorrupted images, e.g. --corruptions clean")
+                   "is the uncorrupted images; hostile streams: black, white, repeat, noise, "
+                   "burst, alternate (e.g. --protocol continual --corruptions black,clean)")
     p.add_argument("--split", default="test", choices=["test", "val"],
                    help="fmnist-c: test, or val (held-out train images, for tuning)")
     p.add_argument("--torch-checkpoint", help="torch weights for tent/sar/deyo on a non-shipped "

@@ -211,3 +211,38 @@ def test_eval_sweeps_batch_sizes_on_the_clean_domain(tmp_path):
     assert "| eva0 | 4 |" in (out / "results.md").read_text()
     assert main(["eval", "--model", str(SHIPPED[1]), "--corruptions", "fog,sunshine",
                  "--limit", "4", "-q"]) == 2
+
+
+def test_hostile_streams_and_the_soak_protocol(tmp_path):
+    """Hostile domains keep their order and leave unlabelled frames unscored; the soak runs the
+    continual stream ten times without reset and reports every pass."""
+    from eva0_edge.bench.datasets import fmnist_c_domains
+    from eva0_edge.bench.hostile import HOSTILE
+    from eva0_edge.bench.protocols import stream_order
+    from eva0_edge.runtime.cli import main
+
+    indices = np.arange(120)
+    domains = {d.name: d for d in fmnist_c_domains(5, "test", corruptions=HOSTILE,
+                                                   indices=indices, progress=False)}
+    assert (domains["black"].images == 0).all() and (domains["black"].labels == -1).all()
+    assert (domains["white"].images == 255).all()
+    assert (domains["repeat"].images == domains["repeat"].images[0]).all()
+    assert (domains["noise"].labels == -1).all() and domains["noise"].images.std() > 50
+    burst = domains["burst"]
+    assert (np.diff(burst.labels) >= 0).all()
+    assert stream_order(burst, "continual", 0).tolist() == list(range(120))
+    alternate = domains["alternate"]
+    clean = fmnist_c_domains(5, "test", corruptions=["clean"], indices=indices,
+                             progress=False)[0]
+    assert (alternate.images[:50] == clean.images[:50]).all()
+    assert not (alternate.images[50:100] == clean.images[50:100]).all()
+
+    out = tmp_path / "soak"
+    assert main(["eval", "--model", str(SHIPPED[1]), "--protocol", "soak", "--corruptions",
+                 "black,clean", "--limit", "8", "--batch-size", "4", "--methods", "eva0",
+                 "--out", str(out), "-q"]) == 0
+    result = json.loads((out / "results.json").read_text())["results"]["eva0"]
+    keys = [f"{d}@{p}" for p in range(1, 11) for d in ("black", "clean")]
+    assert list(result["accuracy"]) == keys
+    assert result["accuracy"]["black@1"] is None or np.isnan(result["accuracy"]["black@1"])
+    assert result["final_stats"]["samples"] == 160
