@@ -64,10 +64,23 @@ sweep: setup data
 				--threads 1 --out out/sweep/$$m-$$p -q; \
 		done; done
 
-# Tune every table method on the validation split, the same budget each (models/tune.py).
-TUNE_METHODS := eva0 eva0-dagger zoa spsa2-shared tent sar deyo
-tune: setup data
-	for m in vit_fmnist resnet_gn_fmnist; do for method in $(TUNE_METHODS); do \
-		$(PY) models/tune.py --model models/$$m.onnx --method $$method --limit 500 \
+# Tune every table method on the validation split, the same budget each (models/tune.py): the
+# runtime methods on eva0's eta grid (0.5..16 x the pre-tuning value), the torch baselines on
+# 0.5..16 x the paper's lr; the best past a grid edge is followed twice. Then the guard bounds.
+ENGINE_METHODS := eva0 eva0-dagger zoa spsa2-shared
+TORCH_METHODS := tent sar deyo
+ETAS_vit_fmnist := 0.001,0.002,0.004,0.008,0.016,0.032
+ETAS_resnet_gn_fmnist := 0.01,0.02,0.04,0.08,0.16,0.32
+LIMIT_vit_fmnist := 200
+LIMIT_resnet_gn_fmnist := 500
+tune: tune-vit_fmnist tune-resnet_gn_fmnist
+tune-%: setup data
+	for method in $(ENGINE_METHODS); do \
+		$(PY) models/tune.py --model models/$*.onnx --method $$method --grid eta=$(ETAS_$*) \
+			--limit $(LIMIT_$*) --clean-limit 1000 --write; \
+	done
+	for method in $(TORCH_METHODS); do \
+		$(PY) models/tune.py --model models/$*.onnx --method $$method --limit $(LIMIT_$*) \
 			--clean-limit 1000 --write; \
-	done; done
+	done
+	$(PY) models/guard_bounds.py --model models/$*.onnx --write

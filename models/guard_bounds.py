@@ -8,8 +8,9 @@ validation streams a healthy device sees: clean images and the 15-corruption con
 :mod:`eva0_edge.runtime.guard` once its window is full. The bounds are the extremes seen with
 a margin (default 2): lower bounds at min / margin (entropy, spread, logit norm), upper bounds
 at max x margin (logit norm, drift, feature distance), entropy's upper bound at 1 - (1 - max) /
-margin. ``--write`` stores them (and ``guard = True``) in the file's recommended values; the
-log goes to ``models/<name>.guard.json``.
+margin. ``--write`` stores them in the file's recommended values and turns the guard on for
+eva0 (its ``tuned`` values; the paper's baselines run as published); the log goes to
+``models/<name>.guard.json``.
 """
 
 from __future__ import annotations
@@ -99,7 +100,9 @@ def main() -> None:
     if args.write:
         model = load_onnx(args.model)
         metadata = read_metadata(model)
-        metadata.recommended = {**metadata.recommended, "guard": True, **bounds}
+        metadata.recommended = {**metadata.recommended, **bounds}
+        metadata.tuned = {**metadata.tuned, "eva0": {**metadata.tuned.get("eva0", {}),
+                                                     "guard": True}}
         save_onnx(set_metadata(model, metadata), args.model)
     log = Path(args.model).with_suffix(".guard.json")
     log.write_text(json.dumps({

@@ -13,11 +13,12 @@ protocols and batch sizes) among the configurations that never lose more than ``
 (0.5) points to NoAdapt on the clean images; if none qualifies, the best worst case (the
 largest minimum over all cells of accuracy minus NoAdapt's).
 
-Default grid, the same budget for every method: the step size at 0.5, 1, 2 and 4 times its
-current value (``eta`` for the runtime methods, the batch-64 ``lr`` for TENT / SAR / DeYO, which
-scale it with the batch as their authors' code does). ``--write`` stores the winner in the model
-file's ``tuned`` values for that method (and, for eva0, in ``recommended``). The log goes to
-``models/<name>.tune-<method>.json``.
+Default grid: the step size at 0.5, 1, 2, 4, 8 and 16 times its current value (``eta`` for the
+runtime methods, the batch-64 ``lr`` for TENT / SAR / DeYO, which scale it with the batch as
+their authors' code does); ``make tune`` gives every runtime method the grid eva0 had. While the
+best sits on an edge of the grid, the next point past it is scored too (at most ``--extend``,
+2). ``--write`` stores the winner in the model file's ``tuned`` values for that method (and, for
+eva0, in ``recommended``). The log goes to ``models/<name>.tune-<method>.json``.
 
 ``--method eva0-clubs`` tunes the black-box prompt method on the model's prompt variant
 (``bench.prompt_variant``) at one batch size, as before: its log is
@@ -43,7 +44,7 @@ from eva0_edge.runtime.methods import is_prompt_method
 from eva0_edge.runtime.modelfile import load_onnx, read_metadata, save_onnx, set_metadata
 
 PROTOCOLS = ("single", "continual")
-SCALES = (0.5, 1.0, 2.0, 4.0)
+SCALES = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 
 
 def current_values(model: str, method: str) -> dict[str, float]:
@@ -117,6 +118,20 @@ def choose(rows: list[dict], reference: dict[str, float], margin: float) -> dict
     return max(rows, key=lambda r: r["worst_gain"])
 
 
+def beyond_edge(best: dict[str, float], tried: list[dict[str, float]]) -> dict | None:
+    """For a one-axis grid whose best value is its smallest or largest: that value halved or
+    doubled (the next point past the edge); None otherwise."""
+    if len(best) != 1:
+        return None
+    (key, value), = best.items()
+    values = sorted(c[key] for c in tried)
+    if value == values[0]:
+        return {key: float(f"{value / 2:.6g}")}
+    if value == values[-1]:
+        return {key: float(f"{value * 2:.6g}")}
+    return None
+
+
 def write_choice(model_path: str, method: str, values: dict[str, Any]) -> None:
     """Store ``values`` as ``method``'s tuned values in the model file (eva0's also as the
     file's recommended values)."""
@@ -150,11 +165,13 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--method", default="eva0")
     parser.add_argument("--grid", action="append", metavar="KEY=V1,V2,...",
-                        help="grid axis, repeatable (default: the step size x 0.5, 1, 2, 4)")
+                        help="grid axis, repeatable (default: the step size x 0.5 .. 16)")
     parser.add_argument("--limit", type=int, default=100, help="images per corruption")
     parser.add_argument("--clean-limit", type=int, default=500, help="clean images")
     parser.add_argument("--batch-sizes", default="1,4,16,64")
     parser.add_argument("--clean-margin", type=float, default=0.5)
+    parser.add_argument("--extend", type=int, default=2, help="points added past a grid edge "
+                        "while the best sits on it (default 2)")
     parser.add_argument("--severity", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="ORT / torch threads")
     parser.add_argument("--write", action="store_true", help="store the winner in the model")
@@ -178,6 +195,13 @@ def main() -> None:
         rows.append({"config": config, "cells": score(args, args.method, config)})
         print(json.dumps(rows[-1]), flush=True)
     best = choose(rows, reference, args.clean_margin)
+    for _ in range(args.extend):
+        beyond = beyond_edge(best["config"], [row["config"] for row in rows])
+        if beyond is None:
+            break
+        rows.append({"config": beyond, "cells": score(args, args.method, beyond)})
+        print(json.dumps(rows[-1]), flush=True)
+        best = choose(rows, reference, args.clean_margin)
     if args.write:
         write_choice(args.model, args.method, best["config"])
     report = {
