@@ -5,12 +5,12 @@
 Runs EVA-0 (the file's recommended values, guard watching but never tripping) over the
 validation streams a healthy device sees: clean images and the 15-corruption continual stream
 (severity 5), at batch sizes 1, 16 and 64, and records every windowed signal of
-:mod:`eva0_edge.runtime.guard` once its window is full. The bounds are the extremes seen with
-a margin (default 2): lower bounds at min / margin (entropy, spread, logit norm), upper bounds
-at max x margin (logit norm, drift, feature distance), entropy's upper bound at 1 - (1 - max) /
-margin. ``--write`` stores them in the file's recommended values and turns the guard on for
-eva0 (its ``tuned`` values; the paper's baselines run as published); the log goes to
-``models/<name>.guard.json``.
+:mod:`eva0_edge.runtime.guard` from the guard's warm-up on (as the guard checks them). The
+bounds are the extremes seen with a margin (default 2): lower bounds at min / margin (entropy,
+spread, logit norm), upper bounds at max x margin (logit norm, drift, feature distance),
+entropy's upper bound at 1 - (1 - max) / margin. ``--write`` stores them in the file's
+recommended values and turns the guard on for eva0 (its ``tuned`` values; the paper's
+baselines run as published); the log goes to ``models/<name>.guard.json``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def record(model_path: str, domains, batch: int, threads: int) -> dict[str, list
     for domain in domains:
         for x, _ in domain.batches(batch, pre):
             model.step(x)
-            if model.guard.windows.samples < model.guard.window:
+            if model.guard.windows.samples < model.guard.warmup:
                 continue
             for name, value in model.stats()["guard"]["signals"].items():
                 if value is not None:

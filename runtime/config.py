@@ -43,9 +43,10 @@ class AdaptConfig:
     batch, with the sqrt(B / 64) rule of noise-dominated steps (None = unbounded).
 
     Health guard (:mod:`guard`, on with ``guard``): signals over the last ``guard_window``
-    samples checked against the ``guard_*_min`` / ``guard_*_max`` bounds (None = unchecked;
-    entropy and spread are fractions of ln K); a healthy checkpoint every ``guard_checkpoint``
-    samples; after a trip, adaptation pauses for ``guard_pause`` samples.
+    samples, checked from ``guard_warmup`` samples on, against the ``guard_*_min`` /
+    ``guard_*_max`` bounds (None = unchecked; entropy and spread are fractions of ln K); a
+    healthy checkpoint every ``guard_checkpoint`` samples; after a trip, adaptation pauses for
+    ``guard_pause`` samples.
     """
 
     mu: float = 0.06
@@ -71,6 +72,7 @@ class AdaptConfig:
     trust_radius: float | None = 10.0
     guard: bool = False
     guard_window: float = 256.0
+    guard_warmup: int = 64
     guard_checkpoint: int = 256
     guard_pause: int = 256
     guard_entropy_min: float | None = 0.02

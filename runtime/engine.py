@@ -249,7 +249,9 @@ class AdaptiveModel:
         bounds = GuardBounds(**{
             name: getattr(cfg, f"guard_{name}") for name in GuardBounds.__dataclass_fields__
         })
-        return HealthGuard(bounds, cfg.guard_window, cfg.guard_checkpoint, cfg.guard_pause)
+        return HealthGuard(
+            bounds, cfg.guard_window, cfg.guard_warmup, cfg.guard_checkpoint, cfg.guard_pause
+        )
 
     def freeze(self, frozen: bool = True) -> None:
         """Predict with the current theta and stop adapting (``frozen``), or resume."""

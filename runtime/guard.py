@@ -13,7 +13,8 @@ Signals, each a windowed mean over the last ``guard_window`` samples (:mod:`rate
 * ``alignment``: the l_SWA distance of the online feature moments to the source statistics, per
   feature (too high; only for files with source statistics).
 
-A signal is checked once its window holds ``guard_window`` samples. On a trip the engine rolls
+A signal is checked once ``guard_warmup`` samples are in (the window's mean is bias-corrected,
+so a part-filled window is the mean of the samples seen). On a trip the engine rolls
 theta back to the last healthy checkpoint (taken every ``guard_checkpoint`` healthy samples), or
 to theta0 when the first check after the previous rollback trips again (that checkpoint is
 unhealthy too), resets the online statistics, and pauses adaptation (predictions only) for
@@ -93,14 +94,15 @@ class SignalWindows:
 class HealthGuard:
     """Keeps the signal windows, the last healthy checkpoint and the trip counts of one model.
 
-    ``window``, ``checkpoint_every`` and ``pause`` are in samples.
+    ``window``, ``warmup``, ``checkpoint_every`` and ``pause`` are in samples.
     """
 
     def __init__(
-        self, bounds: GuardBounds, window: float, checkpoint_every: int, pause: int
+        self, bounds: GuardBounds, window: float, warmup: int, checkpoint_every: int, pause: int
     ) -> None:
         self.bounds = bounds
         self.window = window
+        self.warmup = warmup
         self.checkpoint_every = checkpoint_every
         self.pause = pause
         self.windows = SignalWindows(window_factor(window))
@@ -120,7 +122,7 @@ class HealthGuard:
         batch = logits.shape[0]
         if self.since_rollback is not None:
             self.since_rollback += batch
-        if self.windows.samples < self.window:
+        if self.windows.samples < self.warmup:
             return None, False
         values = {
             "entropy": self.windows.entropy, "spread": self.windows.spread(),
@@ -147,7 +149,9 @@ class HealthGuard:
     def tripped(self, reason: str) -> bool:
         """Record a trip; True when the rollback should go to theta0 (the previous rollback
         was less than one window ago, so its checkpoint is unhealthy too)."""
-        to_source = self.since_rollback is not None and self.since_rollback < self.window * 2
+        to_source = (
+            self.since_rollback is not None and self.since_rollback < self.warmup + self.window
+        )
         self.since_rollback = 0
         self.since_checkpoint = 0
         self.last_reason = reason

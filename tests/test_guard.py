@@ -36,7 +36,7 @@ def _healthy_range(x: np.ndarray) -> dict[str, tuple[float, float]]:
     seen: dict[str, list[float]] = {}
     for i in range(0, 768, 16):
         model.step(x[i : i + 16])
-        if model.guard.windows.samples >= model.guard.window:
+        if model.guard.windows.samples >= model.guard.warmup:
             for name, value in model.stats()["guard"]["signals"].items():
                 seen.setdefault(name, []).append(value)
     return {name: (min(v), max(v)) for name, v in seen.items()}
