@@ -182,7 +182,7 @@ def main() -> None:
                         help="re-apply the choice to the existing log instead of scoring")
     args = parser.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    if is_prompt_method(args.method):
+    if args.method not in BACKPROP and is_prompt_method(args.method):
         tune_prompt_method(args)
         return
     unknown = {k for c in parse_grid(args.grid or []) for k in c} - (
