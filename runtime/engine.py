@@ -249,9 +249,7 @@ class AdaptiveModel:
         bounds = GuardBounds(**{
             name: getattr(cfg, f"guard_{name}") for name in GuardBounds.__dataclass_fields__
         })
-        return HealthGuard(
-            bounds, cfg.guard_window, cfg.guard_warmup, cfg.guard_checkpoint, cfg.guard_pause
-        )
+        return HealthGuard(bounds, cfg.guard_window, cfg.guard_warmup, cfg.guard_checkpoint)
 
     def freeze(self, frozen: bool = True) -> None:
         """Predict with the current theta and stop adapting (``frozen``), or resume."""
@@ -329,6 +327,7 @@ class AdaptiveModel:
     def stats(self) -> dict[str, Any]:
         """Counters and health of the adaptation (JSON-serialisable)."""
         counter = self.session.counter
+        drift = self._drift()
         return {
             "method": self.method,
             "steps": self.state.step,
@@ -338,7 +337,7 @@ class AdaptiveModel:
             "forwards_per_sample": counter.per_sample,
             "clipped_coefficients": self.state.clipped_coefs,
             "clipped_steps": self.state.clipped_steps,
-            "drift": self._drift(),
+            "drift": drift,
             "mean_entropy": self.last.entropy,
             "mean_logit_norm": self.last.logit_norm,
             "frozen": self.state.frozen,
@@ -346,7 +345,7 @@ class AdaptiveModel:
             "guard": None if self.guard is None else {
                 "trips": self.state.guard_trips,
                 "last_reason": self.guard.last_reason,
-                "signals": self.guard.values(self._drift(), self._alignment()),
+                "signals": self.guard.values(drift, self._alignment()),
                 "bounds": asdict(self.guard.bounds),
             },
         }

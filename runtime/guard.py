@@ -18,8 +18,9 @@ so a part-filled window is the mean of the samples seen). On a trip the engine r
 theta back to the last healthy checkpoint (taken every ``guard_checkpoint`` healthy samples), or
 to theta0 when the first check after the previous rollback trips again (that checkpoint is
 unhealthy too), resets the online statistics, and pauses adaptation (predictions only) for
-``guard_pause`` samples. Bounds come from the model file's recommended values (learnt on the
-validation split by ``models/guard_bounds.py``) or the generic defaults of :class:`GuardBounds`.
+``guard_pause`` samples (the engine keeps that count in the state). Bounds come from the model
+file's recommended values (learnt on the validation split by ``models/guard_bounds.py``) or the
+generic defaults of ``AdaptConfig.guard_*``.
 """
 
 from __future__ import annotations
@@ -36,15 +37,16 @@ SIGNALS = ("entropy", "spread", "logit_norm", "drift", "alignment")
 
 @dataclass(frozen=True)
 class GuardBounds:
-    """Where a signal trips: below a ``*_min`` or above a ``*_max`` (None = not checked)."""
+    """Where a signal trips: below a ``*_min`` or above a ``*_max`` (None = not checked). The
+    defaults live in ``AdaptConfig`` as ``guard_<field>``."""
 
-    entropy_min: float | None = 0.02
-    entropy_max: float | None = 0.98
-    spread_min: float | None = 0.05
-    logit_norm_min: float | None = None
-    logit_norm_max: float | None = None
-    drift_max: float | None = None
-    alignment_max: float | None = None
+    entropy_min: float | None
+    entropy_max: float | None
+    spread_min: float | None
+    logit_norm_min: float | None
+    logit_norm_max: float | None
+    drift_max: float | None
+    alignment_max: float | None
 
     def violation(self, values: dict[str, float | None]) -> str | None:
         """The first broken bound as a readable reason, or None."""
@@ -94,17 +96,16 @@ class SignalWindows:
 class HealthGuard:
     """Keeps the signal windows, the last healthy checkpoint and the trip counts of one model.
 
-    ``window``, ``warmup``, ``checkpoint_every`` and ``pause`` are in samples.
+    ``window``, ``warmup`` and ``checkpoint_every`` are in samples.
     """
 
     def __init__(
-        self, bounds: GuardBounds, window: float, warmup: int, checkpoint_every: int, pause: int
+        self, bounds: GuardBounds, window: float, warmup: int, checkpoint_every: int
     ) -> None:
         self.bounds = bounds
         self.window = window
         self.warmup = warmup
         self.checkpoint_every = checkpoint_every
-        self.pause = pause
         self.windows = SignalWindows(window_factor(window))
         self.since_checkpoint = 0
         self.since_rollback: int | None = None
@@ -124,11 +125,7 @@ class HealthGuard:
             self.since_rollback += batch
         if self.windows.samples < self.warmup:
             return None, False
-        values = {
-            "entropy": self.windows.entropy, "spread": self.windows.spread(),
-            "logit_norm": self.windows.logit_norm, "drift": drift, "alignment": alignment,
-        }
-        reason = self.bounds.violation(values)
+        reason = self.bounds.violation(self.values(drift, alignment))
         if reason is not None:
             return reason, False
         self.since_checkpoint += batch
