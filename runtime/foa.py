@@ -117,11 +117,13 @@ class FOAModel:
         provider: str = "auto",
         threads: int | None = None,
         low_memory: bool = False,
+        io_binding: bool = False,
     ) -> FOAModel:
-        """Open a prompt model with ONNX Runtime (``low_memory``: one ORT call per candidate)."""
+        """Open a prompt model with ONNX Runtime (``low_memory``: one ORT call per candidate;
+        ``io_binding``: see :class:`AdaptableSession`)."""
         metadata = read_metadata(path)
-        return cls(AdaptableSession(path, metadata, provider, threads, low_memory), method,
-                   config, seed)
+        session = AdaptableSession(path, metadata, provider, threads, low_memory, io_binding)
+        return cls(session, method, config, seed)
 
     @property
     def method(self) -> str:
@@ -137,10 +139,13 @@ class FOAModel:
         import cma
 
         dim = self.metadata.num_params
+        # cma samples from numpy's global generator unless given its own ``randn``: two models
+        # in one process would then draw each other's candidates
+        rng = np.random.default_rng(self.seed)
         self.es = cma.CMAEvolutionStrategy(  # cma reads seed 0 as "random": offset by 1
             np.zeros(dim), self.config.sigma0,
             inopts={"seed": self.seed + 1, "popsize": self.popsize, "maxiter": np.inf,
-                    "verbose": -9},
+                    "verbose": -9, "randn": lambda *shape: rng.standard_normal(shape)},
         )
         self.best_prompt = self.metadata.theta0.astype(np.float64)
         self.best_fitness = float("nan")
@@ -167,7 +172,7 @@ class FOAModel:
         prompts = np.broadcast_to(self.best_prompt, (x.shape[0], self.best_prompt.size))
         _, _, shifted = self.session.run_shifted(x, prompts, self._shift())
         self.session.counter.samples += x.shape[0]
-        return shifted
+        return self.session.owned(shifted)
 
     def step(self, x: np.ndarray) -> np.ndarray:
         """Evaluate K candidate prompts on the batch, update CMA-ES, return the best
@@ -194,7 +199,7 @@ class FOAModel:
                 batch_mean if self.test_mean is None else (1 - a) * self.test_mean + a * batch_mean
             )
         self.steps += 1
-        return shifted.reshape(count, batch, -1)[best]
+        return self.session.owned(shifted.reshape(count, batch, -1)[best])
 
     def fitness(self, logits: np.ndarray, features: np.ndarray) -> np.ndarray:
         """FOA's fitness per candidate. logits [K, B, classes], features [K, B, F] -> [K]."""
