@@ -6,6 +6,8 @@ Methods (all on the same batch of random normalised pixels):
   draw, one ORT call over 2B rows with the shared prefix, losses, update);
 * ``eva0-lowmem`` (any runtime method + ``-lowmem``): the step with ``low_memory`` (the copies
   as separate ORT calls of B rows: EVA-0's +/- pair as two, FOA's 28 candidates as 28);
+* ``eva0-iob`` (any runtime method + ``-iob``, combinable with ``-lowmem``): the step through
+  ORT's IOBinding with reused output buffers (``io_binding``);
 * ``foa`` / ``foa-dagger`` / ``eva0-clubs``: the prompt methods' full steps (FOA: CMA-ES ask,
   one ORT call over 28B rows, fitness, tell, activation shift) on the prompt variant of the same
   weights (``--arch`` exports it; ``name@FP`` sets #FP);
@@ -24,6 +26,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -42,17 +45,31 @@ from eva0_edge.runtime.modelfile import read_metadata
 from .output import machine_line, pyplot, save_figure
 from .output import write_outputs as write_bench_outputs
 
-COST_METHODS = (*RUNTIME_METHODS, "eva0-lowmem", "tent")
+COST_METHODS = (*RUNTIME_METHODS, "eva0-lowmem", "eva0-iob", "tent")
 PROMPT_TOKENS = 3
+SESSION_MODES = {"-lowmem": "low_memory", "-iob": "io_binding"}
+
+
+def session_mode(name: str) -> tuple[str, dict[str, bool]]:
+    """``name`` without its session-mode suffixes, and the session flags they set:
+    ``eva0-lowmem-iob`` -> (``eva0``, {low_memory: True, io_binding: True})."""
+    flags = dict.fromkeys(SESSION_MODES.values(), False)
+    stripped = True
+    while stripped:
+        stripped = False
+        for suffix, flag in SESSION_MODES.items():
+            if name.endswith(suffix):
+                name, flags[flag], stripped = name.removesuffix(suffix), True, True
+    return name, flags
 
 
 def check_cost_method(name: str) -> None:
-    """ValueError unless ``name`` is a cost method: a runtime method (``@FP`` allowed, and a
-    ``-lowmem`` suffix for its low-memory session) or ``tent``."""
+    """ValueError unless ``name`` is a cost method: a runtime method (``@FP`` allowed, and the
+    ``-lowmem`` / ``-iob`` session-mode suffixes) or ``tent``."""
     if name == "tent":
         return
     try:
-        base_name(name.removesuffix("-lowmem"))
+        base_name(session_mode(name)[0])
     except ValueError:
         raise ValueError(f"unknown method {name!r}; known: {', '.join(COST_METHODS)}") from None
 
@@ -69,23 +86,21 @@ def random_batch(metadata, batch: int, seed: int = 0) -> np.ndarray:
 
 def make_step(
     method: str, model_path: str, batch: int, threads: int | None, torch_model_fn=None,
-    prompt_model: str | None = None,
+    prompt_model: str | None = None, provider: str = "cpu",
 ) -> tuple[Callable[[], None], Callable[[], float] | None]:
     """A zero-argument callable doing one step of ``method`` on a fixed batch, and (for
     runtime methods) a callable returning the ORT seconds accumulated so far. Prompt methods
-    run on ``prompt_model``."""
+    run on ``prompt_model``; runtime methods on ORT's ``provider``, TENT in torch on the CPU."""
     metadata = read_metadata(model_path)
     x = random_batch(metadata, batch)
     if method != "tent":
+        base, flags = session_mode(method)
         path = model_path
-        if is_prompt_method(method.removesuffix("-lowmem")):
+        if is_prompt_method(base):
             if prompt_model is None:
                 raise ValueError(f"{method} needs a prompt model (--prompt-model or --arch)")
             path = prompt_model
-        model = load_method(
-            path, method.removesuffix("-lowmem"), seed=0, provider="cpu", threads=threads,
-            low_memory=method.endswith("-lowmem"),
-        )
+        model = load_method(path, base, seed=0, provider=provider, threads=threads, **flags)
         return (lambda: model.step(x)), (lambda: model.session.counter.ort_seconds)
     import torch
 
@@ -118,10 +133,12 @@ def time_methods(
     threads: int | None,
     torch_model_fn=None,
     prompt_model: str | None = None,
+    provider: str = "cpu",
 ) -> list[CostRow]:
     """Interleaved timing of every method at one batch size; medians in ms per sample."""
     steps = {
-        m: make_step(m, model_path, batch, threads, torch_model_fn, prompt_model) for m in methods
+        m: make_step(m, model_path, batch, threads, torch_model_fn, prompt_model, provider)
+        for m in methods
     }
     for _ in range(warmup):
         for step, _ in steps.values():
@@ -147,12 +164,12 @@ def time_methods(
 
 def peak_rss_mb(
     model_path: str, method: str, batch: int, steps: int, threads: int | None,
-    torch_spec: dict | None, prompt_model: str | None = None,
+    torch_spec: dict | None, prompt_model: str | None = None, provider: str = "cpu",
 ) -> float:
     """Peak RSS (MB) of a fresh process that loads the model and runs ``steps`` steps."""
     cmd = [sys.executable, "-m", "eva0_edge.bench.cost", "--worker", model_path, method,
            str(batch), str(steps), str(threads or 0), json.dumps(torch_spec or {}),
-           prompt_model or ""]
+           prompt_model or "", provider]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"memory worker for {method} failed: {out.stderr[-2000:]}")
@@ -208,7 +225,7 @@ def bench_prompt_model(
     """The prompt model the prompt methods of ``methods`` run on (None if there are none):
     ``given``, else the prompt export of ``arch``'s random weights, else the shipped model's
     prompt variant."""
-    if not any(m != "tent" and is_prompt_method(m.removesuffix("-lowmem")) for m in methods):
+    if not any(m != "tent" and is_prompt_method(session_mode(m)[0]) for m in methods):
         return None
     if given:
         return given
@@ -221,6 +238,16 @@ def bench_prompt_model(
     return str(prompt_variant(model, PROMPT_TOKENS))
 
 
+def gpu_name() -> str | None:
+    """The first GPU nvidia-smi lists, or None without one."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=30)
+    lines = out.stdout.strip().splitlines()
+    return lines[0].strip() if out.returncode == 0 and lines else None
+
+
 def environment() -> dict[str, Any]:
     cpu = platform.processor()
     try:
@@ -230,7 +257,7 @@ def environment() -> dict[str, Any]:
     except OSError:
         pass
     return {
-        "cpu": cpu, "cores": os.cpu_count(), "onnxruntime": ort.__version__,
+        "cpu": cpu, "cores": os.cpu_count(), "gpu": gpu_name(), "onnxruntime": ort.__version__,
         "numpy": np.__version__, "python": platform.python_version(),
         "load_average": os.getloadavg(),
     }
@@ -247,9 +274,11 @@ def run_bench(
     torch_spec: dict | None = None,
     progress: bool = True,
     prompt_model: str | None = None,
+    provider: str = "cpu",
 ) -> dict[str, Any]:
-    """Time every method at every batch size, measure peak memory, and return a report dict.
-    The prompt methods run on ``prompt_model``."""
+    """Time every method at every batch size, measure peak memory (host RSS), and return a
+    report dict. The prompt methods run on ``prompt_model``; runtime methods on ORT's
+    ``provider``."""
     for m in methods:
         check_cost_method(m)
     methods = ["noadapt", *[m for m in methods if m != "noadapt"]]
@@ -258,7 +287,7 @@ def run_bench(
     torch_fn = torch_model_loader(torch_spec, model_path) if "tent" in methods else None
     for batch in batch_sizes:
         batch_rows = time_methods(model_path, methods, batch, repeats, warmup, threads, torch_fn,
-                                  prompt_model)
+                                  prompt_model, provider)
         base = batch_rows[0].ms_per_sample
         for row in batch_rows:
             row.ratio_to_noadapt = row.ms_per_sample / base
@@ -266,7 +295,7 @@ def run_bench(
             for row in batch_rows:
                 row.peak_rss_mb = peak_rss_mb(model_path, row.method, batch,
                                               max(3, warmup + 1), threads, torch_spec,
-                                              prompt_model)
+                                              prompt_model, provider)
             for row in batch_rows:
                 row.rss_ratio_to_noadapt = row.peak_rss_mb / batch_rows[0].peak_rss_mb
         rows += batch_rows
@@ -279,6 +308,7 @@ def run_bench(
         "prompt_model": Path(prompt_model).name if prompt_model else None,
         "architecture": read_metadata(model_path).architecture,
         "threads": threads or "ort default",
+        "provider": provider,
         "repeats": repeats,
         "warmup": warmup,
         "environment_start": env_start,
@@ -346,11 +376,11 @@ def process_peak_rss_mb() -> float:
 
 
 def _worker(argv: list[str]) -> None:
-    model_path, method, batch, steps, threads, torch_spec, prompt_model = argv
+    model_path, method, batch, steps, threads, torch_spec, prompt_model, provider = argv
     spec = json.loads(torch_spec)
     loader = torch_model_loader(spec, model_path) if method == "tent" else None
     step, _ = make_step(method, model_path, int(batch), int(threads) or None, loader,
-                        prompt_model or None)
+                        prompt_model or None, provider)
     for _ in range(int(steps)):
         step()
     print(json.dumps({"peak_rss_mb": process_peak_rss_mb()}))

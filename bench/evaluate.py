@@ -44,6 +44,7 @@ class EvalSpec:
     overrides: dict[str, Any] | None = None
     torch_checkpoint: str | None = None
     provider: str = "auto"
+    io_binding: bool = False
     threads: int | None = None
     prompt_model: str | None = None
 
@@ -83,7 +84,8 @@ def method_factory(spec: EvalSpec, name: str) -> Callable[[], StreamMethod]:
         engine, foa = split_overrides(spec.overrides)
         config = foa if base_name(name) in FOA_METHODS else engine
         path = model_for(spec, name)
-        return lambda: load_method(path, name, config, spec.seed, spec.provider, spec.threads)
+        return lambda: load_method(path, name, config, spec.seed, spec.provider, spec.threads,
+                                   io_binding=spec.io_binding)
     import torch
 
     from .backprop import BackpropTTA, load_torch_source

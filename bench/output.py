@@ -15,7 +15,9 @@ def machine_line(report: dict[str, Any]) -> str:
     """CPU, cores, ORT version, threads and the load average before -> after the run."""
     env = report["environment_start"]
     line = (
-        f"CPU {env['cpu']} ({env['cores']} cores), ORT {env['onnxruntime']}, threads "
+        f"CPU {env['cpu']} ({env['cores']} cores), "
+        + (f"GPU {env['gpu']}, " if env.get("gpu") else "")
+        + f"ORT {env['onnxruntime']}, provider {report.get('provider', 'cpu')}, threads "
         f"{report['threads']}, load average {env['load_average']} -> "
         f"{report['environment_end']['load_average']}"
     )

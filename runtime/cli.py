@@ -19,6 +19,10 @@ from .state import StateError
 
 log = logging.getLogger("eva0_edge")
 
+IO_BINDING_HELP = (
+    "run ORT through IOBinding: outputs into buffers reused from step to step (on CUDA the "
+    "inputs into reused device buffers)"
+)
 LOW_MEMORY_HELP = (
     "run the +/- copies as two ORT calls: peak memory of plain inference, the shared prefix "
     "computed twice"
@@ -115,7 +119,7 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
 
     model = AdaptiveModel.load(
         args.model, args.method, parse_key_values(args.set or []), args.seed, args.provider,
-        low_memory=args.low_memory,
+        low_memory=args.low_memory, io_binding=args.io_binding,
     )
     if args.state and Path(args.state).is_file():
         model.load_state(args.state)
@@ -170,6 +174,7 @@ def _cmd_eval(args: argparse.Namespace) -> None:
         overrides=parse_key_values(args.set or []),
         torch_checkpoint=args.torch_checkpoint,
         provider=args.provider,
+        io_binding=args.io_binding,
         threads=args.threads,
         prompt_model=args.prompt_model,
     )
@@ -220,6 +225,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         torch_spec=torch_spec,
         progress=not args.quiet,
         prompt_model=bench_prompt_model(model, args.arch, args.seed, args.prompt_model, methods),
+        provider=args.provider,
     )
     print(markdown(report))
     if args.out:
@@ -235,7 +241,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
 
     model = AdaptiveModel.load(
         args.model, args.method, parse_key_values(args.set or []), args.seed, args.provider,
-        args.threads, args.low_memory,
+        args.threads, args.low_memory, args.io_binding,
     )
     options = ServeOptions(
         name=args.name or Path(args.model).stem,
@@ -280,6 +286,8 @@ def _add_runtime_options(p: argparse.ArgumentParser, *, method: bool = True) -> 
         )
     p.add_argument("--batch-size", type=int, default=64, help="default 64")
     p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"])
+    if method:
+        p.add_argument("--io-binding", action="store_true", help=IO_BINDING_HELP)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
@@ -424,6 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between info-level summaries (default 30)")
     p.add_argument("--threads", type=int, help="ORT intra-op threads")
     p.add_argument("--low-memory", action="store_true", help=LOW_MEMORY_HELP)
+    p.add_argument("--io-binding", action="store_true", help=IO_BINDING_HELP)
     p.add_argument("--seed", type=int, default=0, help="perturbation seed (default 0)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="hyper-parameter override, repeatable")
@@ -443,6 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-model", help="prompt model for foa / foa-dagger / eva0-clubs "
                    "(default: exported from --arch, or the shipped model's prompt variant)")
     p.add_argument("--seed", type=int, default=0, help="weight seed for --arch (default 0)")
+    p.add_argument("--provider", default="cpu", choices=["cpu", "cuda"],
+                   help="ORT provider of the runtime methods (default cpu; tent stays in torch "
+                   "on the CPU)")
     p.add_argument("--out", help="folder for cost.md / cost.json / cost.png")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-batch lines")
     p.set_defaults(func=_cmd_bench)

@@ -190,11 +190,12 @@ class AdaptiveModel:
         provider: str = "auto",
         threads: int | None = None,
         low_memory: bool = False,
+        io_binding: bool = False,
     ) -> AdaptiveModel:
-        """Open an adaptable ``.onnx`` file with ONNX Runtime (``low_memory``: see
-        :class:`AdaptableSession`)."""
+        """Open an adaptable ``.onnx`` file with ONNX Runtime (``low_memory``, ``io_binding``:
+        see :class:`AdaptableSession`)."""
         metadata = read_metadata(path)
-        session = AdaptableSession(path, metadata, provider, threads, low_memory)
+        session = AdaptableSession(path, metadata, provider, threads, low_memory, io_binding)
         return cls(session, method, config, seed)
 
     @property
@@ -366,7 +367,7 @@ class AdaptiveModel:
         logits, _ = self.session.run(x, theta)
         self.session.counter.samples += x.shape[0]
         self._record(logits)
-        return logits
+        return self.session.owned(logits)
 
     def step(self, x: np.ndarray) -> np.ndarray:
         """Predict and (for adapting methods) adapt on the batch; returns logits [B, K]."""
@@ -446,7 +447,7 @@ class AdaptiveModel:
             h_all = features.astype(np.float64).reshape(2 * pairs, batch, -1)
             h_mean, h_sq = h_all.mean(axis=0), (h_all**2).mean(axis=0)
         else:
-            prediction = first
+            prediction = self.session.owned(first)
             h_mean, h_sq = h_first, h_first**2
         if st.moments_ready:
             moments = (st.mean, st.second_moment)

@@ -38,8 +38,10 @@ def load_method(
     provider: str = "auto",
     threads: int | None = None,
     low_memory: bool = False,
+    io_binding: bool = False,
 ) -> AdaptiveModel | FOAModel:
     """Open ``path`` with ONNX Runtime under method ``name`` (any runtime method, ``@FP``
-    allowed); ``config`` overrides the method's hyper-parameters."""
+    allowed); ``config`` overrides the method's hyper-parameters; ``low_memory`` and
+    ``io_binding``: see :class:`~eva0_edge.runtime.session.AdaptableSession`."""
     model_cls = FOAModel if base_name(name) in FOA_METHODS else AdaptiveModel
-    return model_cls.load(path, name, config, seed, provider, threads, low_memory)
+    return model_cls.load(path, name, config, seed, provider, threads, low_memory, io_binding)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
+from .iobinding import BoundRunner
 from .metadata import ModelMetadata
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -34,6 +35,9 @@ def resolve_providers(provider: str = "auto") -> list[str]:
             f"provider {provider!r} is not available in this onnxruntime build "
             f"(available: {available}); install eva0-edge[gpu] for CUDA"
         )
+    if provider == "cuda" and hasattr(ort, "preload_dlls"):
+        # CUDA and cuDNN from the nvidia-* wheels when they are not on the loader path
+        ort.preload_dlls()
     return [PROVIDERS[provider]] + ([PROVIDERS["cpu"]] if provider != "cpu" else [])
 
 
@@ -74,7 +78,12 @@ class AdaptableSession:
 
     ``low_memory``: run the r theta copies as r ORT calls of N rows instead of one call of r*N
     rows. Peak activation memory is then that of plain inference, at the cost of computing the
-    shared prefix r times instead of once."""
+    shared prefix r times instead of once.
+
+    ``io_binding``: run through :class:`BoundRunner` (outputs written into buffers reused from
+    call to call; on CUDA the inputs go to reused device buffers). The arrays :meth:`run` returns
+    are then overwritten by the next call with the same row count: :meth:`owned` copies what a
+    caller hands on."""
 
     def __init__(
         self,
@@ -83,6 +92,7 @@ class AdaptableSession:
         provider: str = "auto",
         threads: int | None = None,
         low_memory: bool = False,
+        io_binding: bool = False,
     ) -> None:
         self.metadata = metadata
         self.low_memory = low_memory
@@ -90,6 +100,13 @@ class AdaptableSession:
         self.session = ort.InferenceSession(
             str(path), session_options(threads), providers=self.providers
         )
+        if self.session.get_providers()[0] != self.providers[0]:
+            raise RuntimeError(
+                f"onnxruntime could not start {self.providers[0]} for {path} (it fell back to "
+                f"{self.session.get_providers()}); check the CUDA and cuDNN libraries"
+            )
+        device = "cuda" if self.providers[0] == PROVIDERS["cuda"] else "cpu"
+        self.binder = BoundRunner(self.session, device) if io_binding else None
         names = {i.name for i in self.session.get_inputs()}
         self.adapted_input = metadata.adapted_input
         needed = {"pixel_values", self.adapted_input}
@@ -141,6 +158,10 @@ class AdaptableSession:
             )
         return x
 
+    def owned(self, array: np.ndarray) -> np.ndarray:
+        """``array`` itself, or a copy when it may be an output buffer the next call reuses."""
+        return array.copy() if self.binder is not None else array
+
     def run(self, x: np.ndarray, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """One ORT call. ``x`` must already be checked; theta rows must be a multiple of N."""
         logits, features = self._run_copies(x, theta, ["logits", "features"], None)
@@ -168,7 +189,10 @@ class AdaptableSession:
         start = time.perf_counter()
         theta = np.ascontiguousarray(theta, dtype=np.float32)
         if self.low_memory and rows > n:
-            parts = [self._run(x, theta[j : j + n], outputs, shift) for j in range(0, rows, n)]
+            parts = [
+                [self.owned(a) for a in self._run(x, theta[j : j + n], outputs, shift)]
+                for j in range(0, rows, n)
+            ]
             results = [np.concatenate([p[k] for p in parts]) for k in range(len(outputs))]
         else:
             results = self._run(x, theta, outputs, shift)
@@ -188,4 +212,6 @@ class AdaptableSession:
             )
         else:
             feeds["theta"] = theta
+        if self.binder is not None:
+            return self.binder.run(feeds, outputs, theta.shape[0])
         return self.session.run(outputs, feeds)
