@@ -147,9 +147,9 @@ class AdaptableSession:
         if x.shape[0] == 0:
             raise InputError("pixel_values is an empty batch")
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if not np.isfinite(x).all():
+        low, high = float(x.min()), float(x.max())  # a NaN or inf anywhere shows in these two
+        if not (np.isfinite(low) and np.isfinite(high)):
             raise InputError("pixel_values contains NaN or infinite values")
-        low, high = float(x.min()), float(x.max())
         if low < self._low or high > self._high:
             raise InputError(
                 f"pixel_values range [{low:.3g}, {high:.3g}] is outside what the model's "
