@@ -31,7 +31,6 @@ from .config import AdaptConfig
 from .guard import GuardBounds, HealthGuard, alignment_distance
 from .losses import sample_wise_alignment, shortcut_resistant_scores, softmax_entropy
 from .metadata import ModelMetadata
-from .modelfile import read_metadata
 from .perturbation import AnchorShare, PerturbationPlan, anchor_direction
 from .rates import statistics_window, step_rates, window_factor, windowed_update
 from .session import AdaptableSession
@@ -194,8 +193,7 @@ class AdaptiveModel:
     ) -> AdaptiveModel:
         """Open an adaptable ``.onnx`` file with ONNX Runtime (``low_memory``, ``io_binding``:
         see :class:`AdaptableSession`)."""
-        metadata = read_metadata(path)
-        session = AdaptableSession(path, metadata, provider, threads, low_memory, io_binding)
+        session = AdaptableSession(path, None, provider, threads, low_memory, io_binding)
         return cls(session, method, config, seed)
 
     @property

@@ -29,7 +29,6 @@ from .config import replaced
 from .engine import parse_method
 from .losses import softmax_entropy
 from .metadata import ModelMetadata
-from .modelfile import read_metadata
 from .session import AdaptableSession
 
 FOA_FORWARDS = 28
@@ -121,8 +120,7 @@ class FOAModel:
     ) -> FOAModel:
         """Open a prompt model with ONNX Runtime (``low_memory``: one ORT call per candidate;
         ``io_binding``: see :class:`AdaptableSession`)."""
-        metadata = read_metadata(path)
-        session = AdaptableSession(path, metadata, provider, threads, low_memory, io_binding)
+        session = AdaptableSession(path, None, provider, threads, low_memory, io_binding)
         return cls(session, method, config, seed)
 
     @property

@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
 from .iobinding import BoundRunner
-from .metadata import ModelMetadata
+from .metadata import ModelFormatError, ModelMetadata
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
@@ -54,6 +55,20 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
     return options
 
 
+def open_session(
+    path: str | os.PathLike, options: ort.SessionOptions, providers: list[str]
+) -> ort.InferenceSession:
+    """An ORT session on ``path``; FileNotFoundError or ModelFormatError naming the file."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"model file not found: {path}")
+    try:
+        return ort.InferenceSession(str(path), options, providers=providers)
+    except (ort.capi.onnxruntime_pybind11_state.InvalidProtobuf,
+            ort.capi.onnxruntime_pybind11_state.InvalidGraph,
+            ort.capi.onnxruntime_pybind11_state.Fail) as err:
+        raise ModelFormatError(f"{path} is not a loadable ONNX model: {err}") from err
+
+
 @dataclass
 class ForwardCounter:
     """Forward passes counted per sample: one theta row run on one image is one forward.
@@ -88,18 +103,18 @@ class AdaptableSession:
     def __init__(
         self,
         path: str | os.PathLike,
-        metadata: ModelMetadata,
+        metadata: ModelMetadata | None = None,
         provider: str = "auto",
         threads: int | None = None,
         low_memory: bool = False,
         io_binding: bool = False,
     ) -> None:
-        self.metadata = metadata
         self.low_memory = low_memory
         self.providers = resolve_providers(provider)
-        self.session = ort.InferenceSession(
-            str(path), session_options(threads), providers=self.providers
-        )
+        self.session = open_session(path, session_options(threads), self.providers)
+        if metadata is None:  # from ORT's parse: the file is read once
+            metadata = ModelMetadata.from_props(self.session.get_modelmeta().custom_metadata_map)
+        self.metadata = metadata
         if self.session.get_providers()[0] != self.providers[0]:
             raise RuntimeError(
                 f"onnxruntime could not start {self.providers[0]} for {path} (it fell back to "

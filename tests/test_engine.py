@@ -303,3 +303,23 @@ def test_low_memory_runs_the_same_steps(calibrated_vit):
         np.testing.assert_allclose(two.step(x), one.step(x), atol=1e-5)
     np.testing.assert_allclose(two.state.theta, one.state.theta, atol=1e-6)
     assert two.stats()["forwards"] == one.stats()["forwards"] == 4 * 16
+
+
+def test_loading_parses_the_file_once(monkeypatch, tmp_path):
+    """The runtime reads the metadata from ORT's own parse (no onnx.load of the weights), and a
+    file that is not ONNX is refused with its name."""
+    import onnx
+
+    from eva0_edge.runtime.metadata import ModelFormatError
+    from tests.serving import MODEL
+
+    def no_second_parse(*args, **kwargs):
+        raise AssertionError("onnx.load called on the device path")
+
+    monkeypatch.setattr(onnx, "load", no_second_parse)
+    model = AdaptiveModel.load(MODEL, "eva0", provider="cpu")
+    assert model.metadata.architecture and model.config.eta > 0
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not a model")
+    with pytest.raises(ModelFormatError, match="bad.onnx"):
+        AdaptiveModel.load(bad, provider="cpu")
