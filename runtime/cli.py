@@ -255,9 +255,10 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         max_pixels_mp=args.max_pixels_mp,
         admin_token=args.admin_token or os.environ.get("EVA0_ADMIN_TOKEN") or None,
         loopback=_is_loopback(args.host),
+        header_timeout_s=args.header_timeout_s,
     )
-    if options.max_pixels_mp <= 0:
-        raise ValueError("need --max-pixels-mp > 0")
+    if options.max_pixels_mp <= 0 or options.header_timeout_s <= 0:
+        raise ValueError("need --max-pixels-mp > 0 and --header-timeout-s > 0")
     if options.max_batch < 1 or options.max_delay_ms < 0 or options.snapshot_every < 1:
         raise ValueError("need --max-batch >= 1, --max-delay-ms >= 0, --snapshot-every >= 1")
     level = "debug" if args.verbose >= 2 else "info"
@@ -425,6 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-mb", type=float, default=64.0, help="request limit (MiB)")
     p.add_argument("--max-pixels-mp", type=float, default=32.0,
                    help="decoded megapixels per 'images' request (default 32)")
+    p.add_argument("--header-timeout-s", type=float, default=10.0,
+                   help="seconds a request's headers may take to arrive; later: 408 and the "
+                   "connection closed (default 10)")
     p.add_argument("--admin-token", help="bearer token of the admin endpoints (reset, PUT "
                    "state; default: $EVA0_ADMIN_TOKEN); without one they are refused off "
                    "loopback")

@@ -46,7 +46,7 @@ def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("serve")
     process = ServerProcess(
         folder / "server.log", "--max-batch", str(MAX_BATCH), "--max-delay-ms", "5",
-        "--max-body-mb", "1",
+        "--max-body-mb", "1", "--header-timeout-s", "2",
     )
     yield process
     assert process.stop(), process.log()
@@ -458,3 +458,19 @@ def test_sigkill_resumes_from_the_last_good_snapshot(tmp_path, pixels):
         assert "snapshot refused" in third.log()
     finally:
         third.stop()
+
+
+def test_slow_headers_get_408_and_their_connection_closed(server):
+    """A client that never finishes its request headers is cut off (--header-timeout-s 2)
+    while the others are served."""
+    import socket
+
+    host, port = server.url.split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as slow:
+        slow.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        assert server.client.is_server_ready()
+        answer = b""
+        while chunk := slow.recv(4096):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert server.client.is_server_live()

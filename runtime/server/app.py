@@ -61,7 +61,8 @@ class ServeOptions:
     ``max_pixels_mp``: decoded megapixels per ``images`` request; ``admin_token``: the bearer
     token of the admin endpoints; ``loopback``: the server binds a loopback address only (admin
     endpoints are open there without a token); ``body_timeout_s``: the longest a request body
-    may take to arrive."""
+    may take to arrive; ``header_timeout_s``: the longest a request's headers may take, from the
+    connection's opening or the previous response (then 408 and the connection is closed)."""
 
     name: str
     max_batch: int = 64
@@ -75,6 +76,7 @@ class ServeOptions:
     admin_token: str | None = None
     loopback: bool = True
     body_timeout_s: float = 30.0
+    header_timeout_s: float = 10.0
 
 
 def _finite(stats: dict) -> dict:

@@ -8,6 +8,7 @@ import uvicorn
 
 from ..engine import AdaptiveModel
 from .app import ServeOptions, create_app
+from .deadline import header_deadline_protocol
 
 
 def run_server(
@@ -19,6 +20,6 @@ def run_server(
     app = create_app(model, options)
     config = uvicorn.Config(
         app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
-        timeout_graceful_shutdown=10,
+        timeout_graceful_shutdown=10, http=header_deadline_protocol(options.header_timeout_s),
     )
     uvicorn.Server(config).run()
