@@ -7,9 +7,10 @@ For every method a real server process starts on a free loopback port; at each c
 that many tritonclient.http clients (threads of this process) send ``--requests`` requests each
 of ``--batch`` preprocessed images, back to back, after ``--warmup`` untimed ones. Latency is
 per request, client side (send to parsed response); throughput is images per second of wall
-time. The clients share the machine with the server: on a 2-core machine they take CPU from it,
-so the numbers are for the whole client + server system. Output: a table, ``serve_load.json``
-and ``serve_load.png``.
+time. ``--delays adaptive,fixed`` runs each method under both batching delays (the server's
+default, adaptive, and ``--fixed-delay``). The clients share the machine with the server: on a
+2-core machine they take CPU from it, so the numbers are for the whole client + server system.
+Output: a table, ``serve_load.json`` and ``serve_load.png``.
 """
 
 from __future__ import annotations
@@ -44,13 +45,17 @@ def _free_port() -> int:
 
 
 class _Server:
-    def __init__(self, model: str, method: str, threads: int | None, max_delay_ms: float) -> None:
+    def __init__(
+        self, model: str, method: str, threads: int | None, max_delay_ms: float, delay: str,
+    ) -> None:
         self.port = _free_port()
         self.url = f"127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile()
         command = [sys.executable, "-m", "eva0_edge.runtime.cli", "serve", "--model", model,
                    "--method", method, "--port", str(self.port),
                    "--max-delay-ms", str(max_delay_ms)]
+        if delay == "fixed":
+            command.append("--fixed-delay")
         if threads:
             command += ["--threads", str(threads)]
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
@@ -110,15 +115,20 @@ def _load(url: str, name: str, x: np.ndarray, clients: int, requests: int, warmu
 def run_load(
     model: str, concurrency: list[int], methods: list[str], batch: int = 1, requests: int = 50,
     warmup: int = 3, threads: int | None = None, max_delay_ms: float = 10.0,
+    delays: tuple[str, ...] = ("adaptive",),
 ) -> dict[str, Any]:
-    """Run every method at every concurrency; returns the report dict (times in ms)."""
+    """Run every method under every delay mode ('adaptive', 'fixed') at every concurrency;
+    returns the report dict (times in ms)."""
+    unknown = set(delays) - {"adaptive", "fixed"}
+    if unknown:
+        raise ValueError(f"unknown delay mode(s) {sorted(unknown)}: use adaptive, fixed")
     metadata = read_metadata(model)
     x = random_batch(metadata, batch)
     name = Path(model).stem
     env_start = environment()
     rows = []
-    for method in methods:
-        server = _Server(model, method, threads, max_delay_ms)
+    for method, delay in ((m, d) for m in methods for d in delays):
+        server = _Server(model, method, threads, max_delay_ms, delay)
         try:
             for clients in concurrency:
                 rows_before, steps_before = server.step_counts()
@@ -126,7 +136,7 @@ def run_load(
                 rows_after, steps_after = server.step_counts()
                 steps = steps_after - steps_before
                 rows.append({
-                    "method": method, "concurrency": clients, "batch": batch,
+                    "method": method, "delay": delay, "concurrency": clients, "batch": batch,
                     "requests": int(latencies.size),
                     "images_per_s": clients * (requests + warmup) * batch / wall,
                     "p50_ms": 1000 * float(np.percentile(latencies, 50)),
@@ -135,7 +145,7 @@ def run_load(
                     "rows_per_step": (rows_after - rows_before) / steps if steps else None,
                 })
                 r = rows[-1]
-                print(f"{method} x{clients}: {r['images_per_s']:.1f} img/s, p50 "
+                print(f"{method} ({delay}) x{clients}: {r['images_per_s']:.1f} img/s, p50 "
                       f"{r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms", flush=True)
         finally:
             server.stop()
@@ -153,13 +163,14 @@ def markdown(report: dict[str, Any]) -> str:
         f"{machine_line(report)} Server max delay {report['max_delay_ms']} ms; the clients run "
         "on the same machine.",
         "",
-        "| method | clients | batch | images/s | p50 ms | p99 ms | rows per step |",
-        "|---|---|---|---|---|---|---|",
+        "| method | delay | clients | batch | images/s | p50 ms | p99 ms | rows per step |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         per_step = "-" if r["rows_per_step"] is None else f"{r['rows_per_step']:.2f}"
         lines.append(
-            f"| {r['method']} | {r['concurrency']} | {r['batch']} | {r['images_per_s']:.1f} | "
+            f"| {r['method']} | {r.get('delay', 'fixed')} | {r['concurrency']} | {r['batch']} | "
+            f"{r['images_per_s']:.1f} | "
             f"{r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {per_step} |"
         )
     return "\n".join(lines) + "\n"
@@ -168,8 +179,9 @@ def markdown(report: dict[str, Any]) -> str:
 def plot(report: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for method in dict.fromkeys(r["method"] for r in report["rows"]):
-        rows = [r for r in report["rows"] if r["method"] == method]
+    for method in dict.fromkeys((r["method"], r.get("delay", "fixed")) for r in report["rows"]):
+        rows = [r for r in report["rows"] if (r["method"], r.get("delay", "fixed")) == method]
+        method = " ".join(method)
         c = [r["concurrency"] for r in rows]
         axes[0].plot(c, [r["images_per_s"] for r in rows], "o-", label=method)
         axes[1].plot(c, [r["p50_ms"] for r in rows], "o-", label=f"{method} p50")
@@ -193,12 +205,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed requests per client")
     parser.add_argument("--threads", type=int, help="server ORT threads")
     parser.add_argument("--max-delay-ms", type=float, default=10.0)
+    parser.add_argument("--delays", default="adaptive",
+                        help="batching delay modes, comma-separated: adaptive, fixed")
     parser.add_argument("--out", help="folder for serve_load.md / .json / .png")
     args = parser.parse_args(argv)
     report = run_load(
         args.model, [int(c) for c in args.concurrency.split(",")],
         [m.strip() for m in args.methods.split(",") if m.strip()], args.batch, args.requests,
         args.warmup, args.threads, args.max_delay_ms,
+        tuple(d.strip() for d in args.delays.split(",") if d.strip()),
     )
     print(markdown(report))
     if args.out:

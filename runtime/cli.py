@@ -247,6 +247,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         name=args.name or Path(args.model).stem,
         max_batch=args.max_batch,
         max_delay_ms=args.max_delay_ms,
+        adaptive_delay=not args.fixed_delay,
         state_dir=args.state_dir,
         snapshot_every=args.snapshot_every,
         keep_snapshots=args.keep_snapshots,
@@ -426,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-mb", type=float, default=64.0, help="request limit (MiB)")
     p.add_argument("--max-pixels-mp", type=float, default=32.0,
                    help="decoded megapixels per 'images' request (default 32)")
+    p.add_argument("--fixed-delay", action="store_true",
+                   help="always let the oldest request wait up to --max-delay-ms for others "
+                   "(default: wait only while more requests are being decoded)")
     p.add_argument("--header-timeout-s", type=float, default=10.0,
                    help="seconds a request's headers may take to arrive; later: 408 and the "
                    "connection closed (default 10)")

@@ -94,9 +94,11 @@ def test_quant_and_serve_benchmarks_write_their_outputs(tmp_path):
     assert (tmp_path / "speed" / "quant_speed.png").stat().st_size > 10_000
     serve_load.main(["--model", model, "--concurrency", "1,2", "--methods", "eva0",
                      "--requests", "3", "--warmup", "1", "--threads", "1",
-                     "--out", str(tmp_path / "load")])
+                     "--delays", "adaptive,fixed", "--out", str(tmp_path / "load")])
     report = json.loads((tmp_path / "load" / "serve_load.json").read_text())
-    assert [r["concurrency"] for r in report["rows"]] == [1, 2]
+    assert [(r["delay"], r["concurrency"]) for r in report["rows"]] == [
+        ("adaptive", 1), ("adaptive", 2), ("fixed", 1), ("fixed", 2)
+    ]
     assert all(r["p99_ms"] >= r["p50_ms"] > 0 for r in report["rows"])
     assert (tmp_path / "load" / "serve_load.png").stat().st_size > 10_000
 

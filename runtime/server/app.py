@@ -55,18 +55,21 @@ MODEL_VERSION = "1"
 
 @dataclass
 class ServeOptions:
-    """Server settings. ``max_delay_ms``: how long the oldest queued request may wait for others
-    to join its step; ``snapshot_every``: steps between snapshots; ``max_body_mb``: the largest
-    request body accepted (MiB); ``summary_every_s``: seconds between info-level summaries;
-    ``max_pixels_mp``: decoded megapixels per ``images`` request; ``admin_token``: the bearer
-    token of the admin endpoints; ``loopback``: the server binds a loopback address only (admin
-    endpoints are open there without a token); ``body_timeout_s``: the longest a request body
-    may take to arrive; ``header_timeout_s``: the longest a request's headers may take, from the
-    connection's opening or the previous response (then 408 and the connection is closed)."""
+    """Server settings. ``max_delay_ms``: how long the oldest queued request may wait for others to
+    join its step; ``adaptive_delay``: wait only while announced requests are still being
+    decoded (see :mod:`.worker`), else up to ``max_delay_ms`` always; ``snapshot_every``: steps
+    between snapshots; ``max_body_mb``: the largest request body accepted (MiB);
+    ``summary_every_s``: seconds between info-level summaries; ``max_pixels_mp``: decoded
+    megapixels per ``images`` request; ``admin_token``: the bearer token of the admin endpoints;
+    ``loopback``: the server binds a loopback address only (admin endpoints are open there
+    without a token); ``body_timeout_s``: the longest a request body may take to arrive;
+    ``header_timeout_s``: the longest a request's headers may take, from the connection's
+    opening or the previous response (then 408 and the connection is closed)."""
 
     name: str
     max_batch: int = 64
     max_delay_ms: float = 10.0
+    adaptive_delay: bool = True
     state_dir: str | None = None
     snapshot_every: int = 100
     keep_snapshots: int = 3
@@ -175,7 +178,7 @@ def create_app(model: AdaptiveModel, options: ServeOptions) -> FastAPI:
 
     worker = AdaptationWorker(
         model, options.max_batch, options.max_delay_ms / 1000.0, snapshots,
-        options.snapshot_every, on_step,
+        options.snapshot_every, on_step, options.adaptive_delay,
     )
     limit = int(options.max_body_mb * 2**20)
     max_pixels = int(options.max_pixels_mp * 1e6)
@@ -260,15 +263,20 @@ def create_app(model: AdaptiveModel, options: ServeOptions) -> FastAPI:
     async def infer(name: str, request: Request, version: str = MODEL_VERSION) -> Response:
         start = time.perf_counter()
         status = 200
+        announced = False
         try:
             check_name(name, version)
             if not ready.is_set() or not worker.alive:
                 raise ProtocolError("server is not ready", 503)
+            worker.announce()  # a forming batch may wait for this request while it decodes
+            announced = True
             body = await _read_body(request, limit, options.body_timeout_s)
             parsed, plans, x = await run_in_threadpool(
                 prepare, body, request.headers.get(HEADER_LENGTH)
             )
-            logits = await asyncio.wrap_future(worker.submit(x))
+            future = worker.submit(x, announced=True)
+            announced = False
+            logits = await asyncio.wrap_future(future)
             outputs = model_outputs(logits, plans, model.metadata.labels)
             content, headers = encode_infer_response(
                 options.name, MODEL_VERSION, parsed.id, outputs
@@ -282,6 +290,8 @@ def create_app(model: AdaptiveModel, options: ServeOptions) -> FastAPI:
             log.exception("inference failed")
             return _error(f"inference failed: {err}", status)
         finally:
+            if announced:
+                worker.withdraw()
             elapsed = time.perf_counter() - start
             metrics.requests.labels(str(status)).inc()
             if status == 200:

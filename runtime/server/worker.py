@@ -4,6 +4,12 @@ Inference requests queue up and coalesce into one adaptation step (dynamic batch
 takes the oldest request, then keeps taking queued requests while the batch stays within
 ``max_batch`` rows and the oldest request has waited less than ``max_delay`` seconds. It runs one
 ``step`` on the concatenated rows and hands every request exactly its own rows back, in order.
+
+With ``adaptive_delay`` (the default) the batch waits only while more requests are on their way:
+the server ``announce``s each request as it arrives, before its body is read and decoded, and
+the forming batch stops waiting as soon as the queue is empty and no announced request is still
+being decoded. A lone client then never pays the delay (its next request cannot come before its
+answer), while concurrent clients still coalesce; no request waits longer than ``max_delay``.
 Control operations (statistics, reset, state get/put) run on the same thread between steps, so
 nothing else ever touches the state.
 """
@@ -41,6 +47,7 @@ class _Control:
 
 
 _STOP = object()
+_WAKE = object()  # an announced request was withdrawn: look again whether to wait
 
 
 @dataclass
@@ -64,6 +71,7 @@ class AdaptationWorker:
         snapshots: SnapshotStore | None = None,
         snapshot_every: int = 100,
         on_step: Callable[[StepRecord], None] | None = None,
+        adaptive_delay: bool = True,
     ) -> None:
         if max_batch < 1 or max_delay_s < 0 or snapshot_every < 1:
             raise ValueError("need max_batch >= 1, max_delay >= 0 and snapshot_every >= 1")
@@ -73,6 +81,9 @@ class AdaptationWorker:
         self.snapshots = snapshots
         self.snapshot_every = snapshot_every
         self.on_step = on_step
+        self.adaptive_delay = adaptive_delay
+        self._announced = 0
+        self._announced_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._held: Any = None
         self._thread = threading.Thread(target=self._run, name="eva0-adapt", daemon=True)
@@ -90,9 +101,25 @@ class AdaptationWorker:
         self._queue.put(_STOP)
         self._thread.join(timeout)
 
-    def submit(self, x: np.ndarray) -> Future:
+    def announce(self) -> None:
+        """A request arrived and will be ``submit``ted (``announced=True``) or ``withdraw``n."""
+        with self._announced_lock:
+            self._announced += 1
+
+    def withdraw(self) -> None:
+        """An announced request will not be submitted (bad input, timeout, ...)."""
+        with self._announced_lock:
+            self._announced -= 1
+            last = self._announced == 0
+        if last:
+            self._queue.put(_WAKE)
+
+    def submit(self, x: np.ndarray, announced: bool = False) -> Future:
         """Queue a batch already checked by ``model.session.check_input``."""
         future: Future = Future()
+        if announced:
+            with self._announced_lock:
+                self._announced -= 1
         self._queue.put(_Job(x, future))
         return future
 
@@ -126,6 +153,8 @@ class AdaptationWorker:
     def _run(self) -> None:
         while True:
             item = self._next()
+            if item is _WAKE:
+                continue
             if item is _STOP:
                 break
             if isinstance(item, _Control):
@@ -142,14 +171,25 @@ class AdaptationWorker:
         except Exception as err:  # noqa: BLE001 - handed to the caller
             item.future.set_exception(err)
 
+    def _nobody_coming(self) -> bool:
+        """Adaptive delay: nothing queued and no announced request still on its way."""
+        if not self.adaptive_delay or self._held is not None or not self._queue.empty():
+            return False
+        with self._announced_lock:
+            return self._announced <= 0
+
     def _batch(self, first: _Job) -> None:
         jobs, rows = [first], first.x.shape[0]
         deadline = first.enqueued + self.max_delay_s
         while rows < self.max_batch:
+            if self._nobody_coming():
+                break
             try:
                 item = self._next(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
+            if item is _WAKE:
+                continue
             if not isinstance(item, _Job) or rows + item.x.shape[0] > self.max_batch:
                 self._held = item
                 break
