@@ -17,38 +17,21 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import onnxruntime as ort
-
-from eva0_edge.runtime import session as session_module
 from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.modelfile import read_metadata
+from eva0_edge.runtime.session import AdaptableSession
 
 from .cache import cache_dir
 from .cost import environment, export_random, random_batch
 from .output import write_outputs
 
 
-def _profiled_options(prefix: str):
-    original = session_module.session_options
-
-    def options(threads: int | None = None) -> ort.SessionOptions:
-        opts = original(threads)
-        opts.enable_profiling = True
-        opts.profile_file_prefix = prefix
-        return opts
-
-    return original, options
-
-
 def op_times(path: str, method: str, batch: int, steps: int, threads: int | None) -> dict:
     """Milliseconds per sample by operator type over ``steps`` steps (after one warm-up)."""
     with tempfile.TemporaryDirectory() as tmp:
-        original, options = _profiled_options(str(Path(tmp) / method))
-        session_module.session_options = options
-        try:
-            model = AdaptiveModel.load(path, method, seed=0, provider="cpu", threads=threads)
-        finally:
-            session_module.session_options = original
+        session = AdaptableSession(path, None, "cpu", threads,
+                                   profile_prefix=str(Path(tmp) / method))
+        model = AdaptiveModel(session, method)
         x = random_batch(read_metadata(path), batch)
         for _ in range(steps + 1):
             model.step(x)
