@@ -114,13 +114,19 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from .data import open_input
-    from .engine import AdaptiveModel
+    from .foa import FOAModel
+    from .methods import load_method
     from .predictions import PredictionWriter
 
-    model = AdaptiveModel.load(
+    model = load_method(
         args.model, args.method, parse_key_values(args.set or []), args.seed, args.provider,
         low_memory=args.low_memory, io_binding=args.io_binding,
     )
+    if args.state and isinstance(model, FOAModel):
+        raise ValueError(
+            f"--state: {args.method}'s CMA-ES search state cannot be saved or resumed yet; "
+            "run it without --state"
+        )
     if args.state and Path(args.state).is_file():
         model.load_state(args.state)
         log.info("resumed from %s at step %d", args.state, model.state.step)
@@ -293,6 +299,17 @@ def _add_runtime_options(p: argparse.ArgumentParser, *, method: bool = True) -> 
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
+def _runtime_method(name: str) -> str:
+    """argparse type of --method on adapt: any runtime method (FOA included), @FP allowed."""
+    from .methods import base_name
+
+    try:
+        base_name(name)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+    return name
+
+
 def _engine_method(name: str) -> str:
     """argparse type of --method on adapt / serve: an EVA-0-family method, @FP allowed."""
     from .engine import METHODS, parse_method
@@ -303,13 +320,17 @@ def _engine_method(name: str) -> str:
         raise argparse.ArgumentTypeError(str(err)) from err
     if base not in METHODS:
         raise argparse.ArgumentTypeError(
-            f"{name!r} is not one of {', '.join(sorted(METHODS))} (FOA runs in eval / bench)"
+            f"{name!r} is not one of {', '.join(sorted(METHODS))} (FOA runs in adapt, eval "
+            "and bench; the server keeps EVA-0-family state only)"
         )
     return name
 
 
 METHOD_HELP = ("noadapt, eva0 (default), eva0-dagger, zoa, spsa2-shared or eva0-clubs (prompt "
                "models); name@FP sets the forwards per sample, e.g. eva0-clubs@8")
+ADAPT_METHOD_HELP = METHOD_HELP.replace(
+    "eva0-clubs (prompt models)", "eva0-clubs / foa / foa-dagger (prompt models)"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -373,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help="folder of images, .npy or .npz (the stream)")
     p.add_argument("--output", required=True, help="predictions .jsonl or .csv")
     p.add_argument("--logits", action="store_true", help="also write the logits")
-    p.add_argument("--method", default="eva0", type=_engine_method, help=METHOD_HELP)
+    p.add_argument("--method", default="eva0", type=_runtime_method, help=ADAPT_METHOD_HELP)
     p.add_argument("--state", help="state file: resumed from if it exists, saved at the end")
     p.add_argument("--low-memory", action="store_true", help=LOW_MEMORY_HELP)
     _add_runtime_options(p)
