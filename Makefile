@@ -30,8 +30,9 @@ demo: setup data
 test: setup data
 	$(PY) -m pytest -q -ra
 
-test-fast: setup data
-	$(PY) -m pytest -q -ra -m "not slow"
+# The unit tier: no timm export, no server process, no dataset (tests/conftest.py marks the rest).
+test-fast: setup
+	$(PY) -m pytest -q -ra -m "not slow and not integration"
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -102,3 +102,21 @@ def uniform_batch(n: int, seed: int = 0, size=(3, 32, 32)):
     import numpy as np
 
     return np.random.default_rng(seed).uniform(-1, 1, (n, *size)).astype(np.float32)
+
+
+# Fixtures and modules that make a test an integration test: timm exports, real server
+# processes, the Fashion-MNIST split and the benchmarks. `make test-fast` leaves them out.
+INTEGRATION_FIXTURES = {
+    "small_vit", "small_resnet_gn", "prompt_vit", "small_model", "calibrated_vit", "server",
+}
+INTEGRATION_MODULES = {
+    "tests.test_serve", "tests.test_testbed", "tests.test_cost_bench", "tests.test_export",
+    "tests.test_cuda",
+}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if (INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ()))
+                or item.module.__name__ in INTEGRATION_MODULES):
+            item.add_marker(pytest.mark.integration)

@@ -196,6 +196,7 @@ def test_quantize_refuses_a_prompt_model(prompt_vit, tmp_path):
         quantize_model(prompt_vit.onnx_path, tmp_path / "q.onnx", 8, batch(4))
 
 
+@pytest.mark.integration
 def test_export_cli_prompt_mode_and_info(tmp_path, capsys):
     from eva0_edge.runtime.cli import main
 
@@ -206,6 +207,5 @@ def test_export_cli_prompt_mode_and_info(tmp_path, capsys):
     assert "black-box prompt [R, 4, 192]" in capsys.readouterr().out
     assert main(["info", str(out)]) == 0
     assert "black box: prompt [R, 4, 192] after CLS" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        main(["adapt", "--model", str(out), "--input", "x.npy", "--output", "p.jsonl",
-              "--method", "foa"])  # FOA keeps CMA-ES in memory: eval / bench only
+    with pytest.raises(SystemExit):  # FOA keeps CMA-ES in memory: the server refuses it
+        main(["serve", "--model", str(out), "--method", "foa"])
