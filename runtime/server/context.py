@@ -1,0 +1,173 @@
+"""What every route of the server shares: the settings, the model, its worker, the metrics,
+readiness, and the request helpers (name check, bounded body read, admin check)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from ..engine import AdaptiveModel
+from .metrics import ServerMetrics
+from .protocol import ProtocolError
+from .snapshots import SnapshotStore
+from .worker import AdaptationWorker, StepRecord
+
+log = logging.getLogger("eva0_edge.serve")
+
+MODEL_VERSION = "1"
+
+
+@dataclass
+class ServeOptions:
+    """Server settings. ``max_delay_ms``: how long the oldest queued request may wait for others to
+    join its step; ``adaptive_delay``: wait only while announced requests are still being
+    decoded (see :mod:`.worker`), else up to ``max_delay_ms`` always; ``snapshot_every``: steps
+    between snapshots; ``max_body_mb``: the largest request body accepted (MiB);
+    ``summary_every_s``: seconds between info-level summaries; ``max_pixels_mp``: decoded
+    megapixels per ``images`` request; ``admin_token``: the bearer token of the admin endpoints;
+    ``loopback``: the server binds a loopback address only (admin endpoints are open there
+    without a token); ``body_timeout_s``: the longest a request body may take to arrive;
+    ``header_timeout_s``: the longest a request's headers may take, from the connection's
+    opening or the previous response (then 408 and the connection is closed)."""
+
+    name: str
+    max_batch: int = 64
+    max_delay_ms: float = 10.0
+    adaptive_delay: bool = True
+    state_dir: str | None = None
+    snapshot_every: int = 100
+    keep_snapshots: int = 3
+    max_body_mb: float = 64.0
+    summary_every_s: float = 30.0
+    max_pixels_mp: float = 32.0
+    admin_token: str | None = None
+    loopback: bool = True
+    body_timeout_s: float = 30.0
+    header_timeout_s: float = 10.0
+
+
+def finite_stats(stats: dict) -> dict:
+    """JSON has no NaN: statistics not yet defined (no step seen) become null."""
+    return {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in stats.items()
+    }
+
+
+def error_response(message: str, status: int) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+class StepSummary:
+    """Counts for the periodic info-level summary line (worker thread only)."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self.reset()
+
+    def reset(self) -> None:
+        self.since = time.monotonic()
+        self.steps = self.rows = self.requests = 0
+
+    def add(self, record: StepRecord, model: AdaptiveModel) -> None:
+        self.steps += 1
+        self.rows += record.rows
+        self.requests += record.requests
+        if time.monotonic() - self.since >= self.every_s:
+            self.emit(model)
+
+    def emit(self, model: AdaptiveModel) -> None:
+        seconds = time.monotonic() - self.since
+        stats = model.stats()
+        if self.steps:
+            log.info(
+                "%d requests, %d rows in %d steps over %.0f s (%.1f rows/step); step %d, "
+                "%d skipped, drift %.4g, mean entropy %.3f",
+                self.requests, self.rows, self.steps, seconds, self.rows / self.steps,
+                stats["steps"], stats["skipped_steps"], stats["drift"], stats["mean_entropy"],
+            )
+        self.reset()
+
+
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ProtocolError(f"request body of {declared} bytes exceeds the limit of {limit}", 413)
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ProtocolError(f"request body exceeds the limit of {limit} bytes", 413)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise ProtocolError(f"request body did not arrive within {timeout_s:g} s", 408) from None
+
+
+def admin_check(request: Request, options: ServeOptions) -> None:
+    """401 without the right bearer token when one is set; 403 off loopback without one."""
+    if options.admin_token is None:
+        if not options.loopback:
+            raise ProtocolError(
+                "admin endpoints are disabled on a non-loopback bind without an admin token "
+                "(--admin-token or EVA0_ADMIN_TOKEN)", 403,
+            )
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        given.strip().encode(), options.admin_token.encode()
+    ):
+        raise ProtocolError("admin endpoint: missing or wrong bearer token", 401)
+
+
+
+@dataclass
+class ServerContext:
+    """The served model and what the routes need around it (the worker owns the state)."""
+
+    model: AdaptiveModel
+    options: ServeOptions
+    worker: AdaptationWorker
+    metrics: ServerMetrics
+    snapshots: SnapshotStore | None
+    ready: asyncio.Event
+
+    @property
+    def body_limit(self) -> int:
+        """The largest request body accepted, in bytes."""
+        return int(self.options.max_body_mb * 2**20)
+
+    @property
+    def max_pixels(self) -> int:
+        """Decoded pixels allowed per ``images`` request."""
+        return int(self.options.max_pixels_mp * 1e6)
+
+    def check_name(self, name: str, version: str = MODEL_VERSION) -> None:
+        """404 for another model's name or an unknown version."""
+        if name != self.options.name:
+            raise ProtocolError(
+                f"unknown model {name!r}; this server serves {self.options.name!r}", 404
+            )
+        if version != MODEL_VERSION:
+            raise ProtocolError(
+                f"unknown version {version!r} of {name!r}; versions: [{MODEL_VERSION!r}]", 404
+            )
+
+    async def read_body(self, request: Request) -> bytes:
+        return await read_body(request, self.body_limit, self.options.body_timeout_s)
+
+    async def on_worker(self, operation) -> Any:
+        """``operation(model)`` on the worker thread, between steps."""
+        return await asyncio.wrap_future(self.worker.call(operation))

@@ -1,0 +1,92 @@
+"""The adaptation extension (statistics, reset, freeze, state get/put) and Prometheus metrics.
+Reset, freeze and PUT state are admin endpoints (:func:`.context.admin_check`)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from ..engine import AdaptiveModel
+from ..state import StateError
+from .context import ServerContext, admin_check, error_response, finite_stats
+from .protocol import ProtocolError
+
+
+def adaptation_router(ctx: ServerContext) -> APIRouter:
+    router = APIRouter(prefix="/v2/models/{name}/adaptation")
+    worker, options = ctx.worker, ctx.options
+
+    def answer(m: AdaptiveModel) -> dict:
+        """The statistics after an admin change, and whether its snapshot was written."""
+        return {**finite_stats(m.stats()), "snapshot_written": worker.snapshot_now()}
+
+    @router.get("/statistics")
+    async def statistics(name: str) -> dict:
+        ctx.check_name(name)
+        stats = await ctx.on_worker(lambda m: m.stats())
+        stats["snapshots_written"] = ctx.snapshots.written if ctx.snapshots else 0
+        return finite_stats(stats)
+
+    @router.post("/reset")
+    async def reset(name: str, request: Request) -> dict:
+        ctx.check_name(name)
+        admin_check(request, options)
+
+        def do_reset(m: AdaptiveModel) -> dict:
+            m.reset()
+            return answer(m)
+
+        return await ctx.on_worker(do_reset)
+
+    @router.post("/freeze")
+    async def freeze(name: str, request: Request) -> dict:
+        """Body ``{"frozen": true|false}``: predict without adapting, or resume."""
+        ctx.check_name(name)
+        admin_check(request, options)
+        try:
+            frozen = (await request.json())["frozen"]
+        except (ValueError, KeyError, TypeError):
+            frozen = None
+        if not isinstance(frozen, bool):
+            raise ProtocolError('freeze needs a JSON body {"frozen": true} or {"frozen": false}')
+
+        def do_freeze(m: AdaptiveModel) -> dict:
+            m.freeze(frozen)
+            return answer(m)
+
+        return await ctx.on_worker(do_freeze)
+
+    @router.get("/state")
+    async def get_state(name: str) -> Response:
+        ctx.check_name(name)
+        data = await ctx.on_worker(lambda m: m.state_bytes())
+        return Response(data, media_type="application/octet-stream")
+
+    @router.put("/state")
+    async def put_state(name: str, request: Request) -> Response:
+        ctx.check_name(name)
+        admin_check(request, options)
+        body = await ctx.read_body(request)
+        try:  # decoded and validated off the worker thread: inference goes on meanwhile
+            state = await run_in_threadpool(ctx.model.parse_state_bytes, body)
+        except StateError as err:
+            return error_response(f"state refused: {err}", 400)
+
+        def install(m: AdaptiveModel) -> dict:
+            m.install_state(state)
+            return answer(m)
+
+        return JSONResponse(await ctx.on_worker(install))
+
+    return router
+
+
+def metrics_router(ctx: ServerContext) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(ctx.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    return router

@@ -1,0 +1,101 @@
+"""The Open Inference Protocol routes: health, server and model metadata, inference."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from eva0_edge import __version__
+
+from ..session import InputError
+from .context import MODEL_VERSION, ServerContext, error_response, log
+from .protocol import HEADER_LENGTH, ProtocolError, encode_infer_response, parse_infer_request
+from .tensors import model_input, model_metadata, model_outputs, plan_outputs
+
+
+def oip_router(ctx: ServerContext) -> APIRouter:
+    router = APIRouter()
+    model, options, worker = ctx.model, ctx.options, ctx.worker
+
+    @router.get("/v2/health/live")
+    async def live() -> Response:
+        return Response(status_code=200)
+
+    @router.get("/v2/health/ready")
+    async def server_ready() -> Response:
+        return Response(status_code=200 if ctx.ready.is_set() and worker.alive else 503)
+
+    @router.get("/v2")
+    async def server_metadata() -> dict:
+        return {
+            "name": "eva0-edge", "version": __version__,
+            "extensions": ["binary_tensor_data", "eva0_adaptation"],
+        }
+
+    @router.get("/v2/models/{name}")
+    @router.get("/v2/models/{name}/versions/{version}")
+    async def metadata(name: str, version: str = MODEL_VERSION) -> dict:
+        ctx.check_name(name, version)
+        return model_metadata(options.name, MODEL_VERSION, model.metadata)
+
+    @router.get("/v2/models/{name}/ready")
+    @router.get("/v2/models/{name}/versions/{version}/ready")
+    async def model_ready(name: str, version: str = MODEL_VERSION) -> Response:
+        ctx.check_name(name, version)
+        return Response(status_code=200 if ctx.ready.is_set() else 503)
+
+    def prepare(body: bytes, header_length: str | None):
+        request = parse_infer_request(body, header_length)
+        plans = plan_outputs(request.outputs, request.binary_output, model.metadata.num_classes)
+        x = model_input(request, model.metadata, options.max_batch, ctx.max_pixels)
+        try:
+            x = model.session.check_input(x)
+        except InputError as err:
+            raise ProtocolError(str(err)) from None
+        return request, plans, x
+
+    @router.post("/v2/models/{name}/infer")
+    @router.post("/v2/models/{name}/versions/{version}/infer")
+    async def infer(name: str, request: Request, version: str = MODEL_VERSION) -> Response:
+        start = time.perf_counter()
+        status = 200
+        announced = False
+        try:
+            ctx.check_name(name, version)
+            if not ctx.ready.is_set() or not worker.alive:
+                raise ProtocolError("server is not ready", 503)
+            worker.announce()  # a forming batch may wait for this request while it decodes
+            announced = True
+            body = await ctx.read_body(request)
+            parsed, plans, x = await run_in_threadpool(
+                prepare, body, request.headers.get(HEADER_LENGTH)
+            )
+            future = worker.submit(x, announced=True)
+            announced = False
+            logits = await asyncio.wrap_future(future)
+            outputs = model_outputs(logits, plans, model.metadata.labels)
+            content, headers = encode_infer_response(
+                options.name, MODEL_VERSION, parsed.id, outputs
+            )
+            return Response(content, headers=headers)
+        except ProtocolError as err:
+            status = err.status
+            return error_response(str(err), status)
+        except Exception as err:
+            status = 500
+            log.exception("inference failed")
+            return error_response(f"inference failed: {err}", status)
+        finally:
+            if announced:
+                worker.withdraw()
+            elapsed = time.perf_counter() - start
+            ctx.metrics.requests.labels(str(status)).inc()
+            if status == 200:
+                ctx.metrics.latency.observe(elapsed)
+            log.debug("infer %s %d %.1f ms", name, status, 1000 * elapsed)
+
+    return router
