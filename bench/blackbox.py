@@ -17,8 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .cost import environment
 from .evaluate import EvalSpec, evaluate, model_for, spec_dict
+from .machine import environment
 from .output import machine_line, pyplot, save_figure, write_outputs
 from .report import write_report
 

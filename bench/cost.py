@@ -23,10 +23,7 @@ session's own ORT clock (``ForwardCounter.ort_seconds``).
 from __future__ import annotations
 
 import json
-import os
-import platform
 import resource
-import shutil
 import subprocess
 import sys
 import time
@@ -36,14 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnxruntime as ort
 
-from eva0_edge.runtime.calibrate import calibrate_with_images
 from eva0_edge.runtime.methods import RUNTIME_METHODS, base_name, is_prompt_method, load_method
 from eva0_edge.runtime.modelfile import read_metadata
 
+from .machine import environment
 from .output import machine_line, pyplot, save_figure
 from .output import write_outputs as write_bench_outputs
+from .workload import export_random, random_batch
 
 COST_METHODS = (*RUNTIME_METHODS, "eva0-lowmem", "eva0-iob", "tent")
 PROMPT_TOKENS = 3
@@ -72,16 +69,6 @@ def check_cost_method(name: str) -> None:
         base_name(session_mode(name)[0])
     except ValueError:
         raise ValueError(f"unknown method {name!r}; known: {', '.join(COST_METHODS)}") from None
-
-
-def random_batch(metadata, batch: int, seed: int = 0) -> np.ndarray:
-    """Pixels of random [0, 1] images normalised as the model expects: [B, C, H, W]."""
-    pre = metadata.preprocessing
-    rng = np.random.default_rng(seed)
-    x = rng.uniform(0, 1, (batch, *pre.input_size)).astype(np.float32)
-    mean = np.asarray(pre.mean, np.float32)[:, None, None]
-    std = np.asarray(pre.std, np.float32)[:, None, None]
-    return (x - mean) / std
 
 
 def make_step(
@@ -194,31 +181,6 @@ def torch_model_loader(torch_spec: dict | None, model_path: str):
     return load
 
 
-def export_random(arch: str, out_dir: Path, seed: int = 0, prompts: int = 0) -> Path:
-    """Export timm ``arch`` with random weights (seeded) into ``out_dir`` once; reuse after.
-
-    ``prompts`` > 0: the black-box prompt variant of the same weights, its source statistics
-    taken from 64 random images (the numbers only need the real code path, not meaning)."""
-    path = out_dir / f"{arch}-seed{seed}{f'-p{prompts}' if prompts else ''}.onnx"
-    if not path.is_file():
-        import torch
-
-        from eva0_edge.exporter import export_model
-
-        out_dir.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(path.stem + f".{os.getpid()}.partial.onnx")
-        torch.manual_seed(seed)
-        metadata = export_model(arch, partial, prompts=prompts)
-        if prompts:
-            size = metadata.preprocessing.input_size
-            images = np.random.default_rng(seed).integers(
-                0, 256, (64, size[1], size[2], size[0]), dtype=np.uint8
-            )
-            calibrate_with_images(partial, images)
-        os.replace(partial, path)
-    return path
-
-
 def bench_prompt_model(
     model: str, arch: str | None, seed: int, given: str | None, methods: Sequence[str]
 ) -> str | None:
@@ -236,31 +198,6 @@ def bench_prompt_model(
     from .prompt_variant import prompt_variant
 
     return str(prompt_variant(model, PROMPT_TOKENS))
-
-
-def gpu_name() -> str | None:
-    """The first GPU nvidia-smi lists, or None without one."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True, timeout=30)
-    lines = out.stdout.strip().splitlines()
-    return lines[0].strip() if out.returncode == 0 and lines else None
-
-
-def environment() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {
-        "cpu": cpu, "cores": os.cpu_count(), "gpu": gpu_name(), "onnxruntime": ort.__version__,
-        "numpy": np.__version__, "python": platform.python_version(),
-        "load_average": os.getloadavg(),
-    }
 
 
 def run_bench(

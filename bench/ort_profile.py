@@ -22,8 +22,9 @@ from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.session import AdaptableSession
 
 from .cache import cache_dir
-from .cost import environment, export_random, random_batch
+from .machine import environment
 from .output import write_outputs
+from .workload import export_random, random_batch
 
 
 def op_times(path: str, method: str, batch: int, steps: int, threads: int | None) -> dict:

@@ -31,11 +31,12 @@ from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.preprocess import preprocess_uint8
 
 from .cache import cache_dir
-from .cost import environment, export_random, random_batch
 from .datasets import Domain, fmnist_c_domains
 from .fashion_mnist import load_fashion_mnist, train_val_indices
+from .machine import environment
 from .output import machine_line, pyplot, save_figure, write_outputs
 from .protocols import run_protocol
+from .workload import export_random, random_batch
 
 CALIBRATION_IMAGES = 32
 

@@ -34,8 +34,9 @@ import tritonclient.http as httpclient
 
 from eva0_edge.runtime.modelfile import read_metadata
 
-from .cost import environment, random_batch
+from .machine import environment
 from .output import machine_line, pyplot, save_figure, write_outputs
+from .workload import random_batch
 
 
 def _free_port() -> int:

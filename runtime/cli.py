@@ -203,13 +203,8 @@ def _cmd_bench(args: argparse.Namespace) -> None:
 
     try:
         from eva0_edge.bench.cache import cache_dir
-        from eva0_edge.bench.cost import (
-            bench_prompt_model,
-            export_random,
-            markdown,
-            run_bench,
-            write_outputs,
-        )
+        from eva0_edge.bench.cost import bench_prompt_model, markdown, run_bench, write_outputs
+        from eva0_edge.bench.workload import export_random
     except ImportError as err:
         raise _missing_extra("bench", "bench", err) from err
     if bool(args.model) == bool(args.arch):
