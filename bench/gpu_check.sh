@@ -9,7 +9,7 @@
 set -u
 out=${1:?usage: gpu_check.sh OUT_DIR}
 res=$(mktemp -d)
-cli() { python3 -m eva0_edge.runtime.cli "$@"; }
+cli() { python3 -m eva0_edge.cli "$@"; }
 pack() { tar -cf "$out/results.tar" -C "$res" .; }
 run() { echo "== $*"; local t0=$SECONDS; "$@"; echo "== exit $? after $((SECONDS - t0)) s"; pack; }
 

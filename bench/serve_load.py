@@ -52,7 +52,7 @@ class _Server:
         self.port = _free_port()
         self.url = f"127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile()
-        command = [sys.executable, "-m", "eva0_edge.runtime.cli", "serve", "--model", model,
+        command = [sys.executable, "-m", "eva0_edge.cli", "serve", "--model", model,
                    "--method", method, "--port", str(self.port),
                    "--max-delay-ms", str(max_delay_ms)]
         if delay == "fixed":

@@ -30,7 +30,7 @@ class ServerProcess:
         self.url = f"127.0.0.1:{self.port}"
         self.log_path = log_path
         command = [
-            sys.executable, "-m", "eva0_edge.runtime.cli", "-v", "serve", "--model", str(model),
+            sys.executable, "-m", "eva0_edge.cli", "-v", "serve", "--model", str(model),
             "--port", str(self.port), "--threads", "1", *args,
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}

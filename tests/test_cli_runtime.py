@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from eva0_edge.cli import main
 from eva0_edge.runtime.calibrate import feature_statistics
-from eva0_edge.runtime.cli import main
 from eva0_edge.runtime.data import open_input
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.session import AdaptableSession
@@ -106,7 +106,7 @@ def test_adapt_runs_without_torch(calibrated_vit, image_folder, tmp_path):
     out = tmp_path / "p.jsonl"
     result = run_without_torch(
         f"""
-        from eva0_edge.runtime.cli import main
+        from eva0_edge.cli import main
         assert main(["adapt", "--model", {str(calibrated_vit)!r}, "--input",
                      {str(image_folder)!r}, "--output", {str(out)!r}, "-q"]) == 0
         assert "torch" not in sys.modules

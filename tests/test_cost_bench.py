@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eva0_edge.runtime.cli import main
+from eva0_edge.cli import main
 from tests.serving import MODEL
 
 

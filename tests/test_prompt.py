@@ -198,7 +198,7 @@ def test_quantize_refuses_a_prompt_model(prompt_vit, tmp_path):
 
 @pytest.mark.integration
 def test_export_cli_prompt_mode_and_info(tmp_path, capsys):
-    from eva0_edge.runtime.cli import main
+    from eva0_edge.cli import main
 
     out = tmp_path / "p.onnx"
     assert main(["export", "--arch", "vit_tiny_patch16_224", "--set", "img_size=32",

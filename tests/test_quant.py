@@ -9,10 +9,10 @@ import onnxruntime as ort
 import pytest
 from onnx import helper
 
+from eva0_edge.cli import main
 from eva0_edge.quant import quantize_model
 from eva0_edge.quant.points import find_points
 from eva0_edge.quant.quantizers import Quantizer, onnx_nodes, twin_gelu, twin_softmax, uniform
-from eva0_edge.runtime.cli import main
 from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.modelfile import read_metadata
 from tests.conftest import uniform_batch

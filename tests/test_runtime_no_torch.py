@@ -34,6 +34,10 @@ def test_runtime_imports_without_torch():
         for info in pkgutil.walk_packages(runtime.__path__, "eva0_edge.runtime."):
             importlib.import_module(info.name)  # the server subpackage included
         assert "torch" not in sys.modules
+        tools = [m for m in sys.modules
+                 if m.split(".")[:2] in (["eva0_edge", "bench"], ["eva0_edge", "exporter"],
+                                         ["eva0_edge", "quant"])]
+        assert not tools, tools  # the device runtime never reaches into the tool packages
         try:
             import torch  # noqa: F401
         except ImportError:
@@ -47,7 +51,7 @@ def test_runtime_imports_without_torch():
 def test_info_runs_without_torch(small_vit):
     result = run_without_torch(
         f"""
-        from eva0_edge.runtime.cli import main
+        from eva0_edge.cli import main
         assert main(["info", {str(small_vit.onnx_path)!r}]) == 0
         assert "torch" not in sys.modules
         """

@@ -173,7 +173,7 @@ def test_folder_dataset_tree(tmp_path):
     ],
 )
 def test_eval_end_to_end(tmp_path, protocol, batch_size, methods):
-    from eva0_edge.runtime.cli import main
+    from eva0_edge.cli import main
 
     out = tmp_path / "report"
     limit = 8 if batch_size == 1 else 64
@@ -195,7 +195,7 @@ def test_eval_sweeps_batch_sizes_on_the_clean_domain(tmp_path):
     """``--batch-sizes`` gives one report with a row per method and batch size;
     ``--corruptions clean`` is the uncorrupted images (NoAdapt's accuracy is the same at every
     batch size and equals the plain prediction on those images)."""
-    from eva0_edge.runtime.cli import main
+    from eva0_edge.cli import main
 
     out = tmp_path / "sweep"
     assert main(["eval", "--model", str(SHIPPED[1]), "--corruptions", "clean",
@@ -219,7 +219,7 @@ def test_hostile_streams_and_the_soak_protocol(tmp_path):
     from eva0_edge.bench.datasets import fmnist_c_domains
     from eva0_edge.bench.hostile import HOSTILE
     from eva0_edge.bench.protocols import stream_order
-    from eva0_edge.runtime.cli import main
+    from eva0_edge.cli import main
 
     indices = np.arange(120)
     domains = {d.name: d for d in fmnist_c_domains(5, "test", corruptions=HOSTILE,

@@ -1,0 +1,131 @@
+"""``eva0-edge eval`` and ``eva0-edge bench`` (need the [bench] extra)."""
+
+from __future__ import annotations
+
+import argparse
+
+from eva0_edge.runtime.cli import add_runtime_options, missing_extra, split_names
+from eva0_edge.runtime.config import parse_key_values
+
+
+def _cmd_eval(args: argparse.Namespace) -> None:
+    try:
+        from eva0_edge.bench.evaluate import EvalSpec, evaluate
+        from eva0_edge.bench.report import markdown_table
+    except ImportError as err:
+        raise missing_extra("eval", "bench", err) from err
+    spec = EvalSpec(
+        model=args.model,
+        dataset=args.dataset,
+        protocol=args.protocol,
+        severity=args.severity,
+        batch_size=args.batch_size,
+        methods=split_names(args.methods),
+        batch_sizes=[int(b) for b in split_names(args.batch_sizes)] if args.batch_sizes else None,
+        corruptions=split_names(args.corruptions) if args.corruptions else None,
+        seed=args.seed,
+        limit=args.limit,
+        split=args.split,
+        overrides=parse_key_values(args.set or []),
+        torch_checkpoint=args.torch_checkpoint,
+        provider=args.provider,
+        io_binding=args.io_binding,
+        threads=args.threads,
+        prompt_model=args.prompt_model,
+    )
+    results = evaluate(spec, args.out, progress=not args.quiet)
+    print(markdown_table(results))
+    for name, result in results.items():
+        if result.skipped_steps:
+            print(f"{name}: {result.skipped_steps} adaptation steps skipped (non-finite)")
+    if args.out:
+        print(f"report: {args.out}/results.md, results.json, stream.png")
+
+
+def _cmd_bench(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    try:
+        from eva0_edge.bench.cache import cache_dir
+        from eva0_edge.bench.cost import bench_prompt_model, markdown, run_bench, write_outputs
+        from eva0_edge.bench.workload import export_random
+    except ImportError as err:
+        raise missing_extra("bench", "bench", err) from err
+    if bool(args.model) == bool(args.arch):
+        raise ValueError("give exactly one of --model FILE or --arch TIMM_NAME")
+    torch_spec = {"checkpoint": args.torch_checkpoint}
+    model = args.model
+    if args.arch:
+        model = str(export_random(args.arch, cache_dir() / "bench-models", args.seed))
+        torch_spec = {"arch": args.arch, "seed": args.seed}
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    report = run_bench(
+        model,
+        [int(b) for b in args.batch_sizes.split(",")],
+        methods,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        threads=args.threads,
+        memory=not args.no_memory,
+        torch_spec=torch_spec,
+        progress=not args.quiet,
+        prompt_model=bench_prompt_model(model, args.arch, args.seed, args.prompt_model, methods),
+        provider=args.provider,
+    )
+    print(markdown(report))
+    if args.out:
+        write_outputs(report, Path(args.out))
+        print(f"report: {args.out}/cost.md, cost.json, cost.png")
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="accuracy of methods under a protocol on corrupted data")
+    p.add_argument("--model", required=True, help="adaptable .onnx file")
+    p.add_argument(
+        "--dataset", default="fmnist-c",
+        help="fmnist-c (generated into the cache) or an ImageNet-C-style folder "
+        "corruption/severity/class/image",
+    )
+    p.add_argument("--protocol", default="single",
+                   choices=["single", "continual", "imbalanced", "soak"],
+                   help="soak: the continual stream 10 times in a row")
+    p.add_argument("--severity", type=int, default=5, choices=[1, 2, 3, 4, 5])
+    p.add_argument("--methods", default="noadapt,eva0", help="comma-separated; runtime methods "
+                   "(name@FP sets #FP, e.g. eva0-clubs@8, foa-dagger@14) plus the torch "
+                   "baselines tent, sar, deyo")
+    p.add_argument("--limit", type=int, help="images per corruption (a seeded subset)")
+    p.add_argument("--batch-sizes", help="comma-separated: one run per batch size in one "
+                   "report (a row per method and batch size); overrides --batch-size")
+    p.add_argument("--corruptions", help="comma-separated domains (default: all 15); 'clean' "
+                   "is the uncorrupted images; hostile streams: black, white, repeat, noise, "
+                   "burst, alternate (e.g. --protocol continual --corruptions black,clean)")
+    p.add_argument("--split", default="test", choices=["test", "val"],
+                   help="fmnist-c: test, or val (held-out train images, for tuning)")
+    p.add_argument("--torch-checkpoint", help="torch weights for tent/sar/deyo on a non-shipped "
+                   "model")
+    p.add_argument("--out", help="folder for results.md / results.json / stream.png")
+    p.add_argument("--threads", type=int, help="intra-op threads of ORT and torch")
+    p.add_argument("--prompt-model", help="prompt model (export --prompts) for foa, foa-dagger "
+                   "and eva0-clubs (default: the shipped model's prompt variant, cached)")
+    add_runtime_options(p)
+    p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("bench", help="step cost (time, memory) of methods against NoAdapt")
+    p.add_argument("--model", help="adaptable .onnx file")
+    p.add_argument("--arch", help="timm architecture, exported with random weights (cached)")
+    p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated (default 1,8,32)")
+    p.add_argument("--methods", default="noadapt,eva0,zoa,foa,tent", help="comma-separated")
+    p.add_argument("--repeats", type=int, default=10, help="timed repetitions (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--threads", type=int, help="intra-op threads (default: ORT's / torch's)")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-RSS processes")
+    p.add_argument("--torch-checkpoint", help="torch weights for tent on a non-shipped model")
+    p.add_argument("--prompt-model", help="prompt model for foa / foa-dagger / eva0-clubs "
+                   "(default: exported from --arch, or the shipped model's prompt variant)")
+    p.add_argument("--seed", type=int, default=0, help="weight seed for --arch (default 0)")
+    p.add_argument("--provider", default="cpu", choices=["cpu", "cuda"],
+                   help="ORT provider of the runtime methods (default cpu; tent stays in torch "
+                   "on the CPU)")
+    p.add_argument("--out", help="folder for cost.md / cost.json / cost.png")
+    p.add_argument("-q", "--quiet", action="store_true", help="no per-batch lines")
+    p.set_defaults(func=_cmd_bench)
