@@ -437,28 +437,32 @@ class AdaptiveModel:
         logits, features = self.session.run(x, rows)
         self.session.counter.samples += batch
         half = pairs * batch  # rows j * B + i: pair j, sample i (each half copy-major)
-        first, second = logits[:half], logits[half:]
-        h_first = features[:half].astype(np.float64)
-        h_second = features[half:].astype(np.float64)
-        if cfg.two_sided:
+        lower, upper = slice(0, half), slice(half, 2 * half)
+        if cfg.two_sided:  # rows theta + mu z (lower half), theta - mu z (upper half)
+            plus, minus = lower, upper
             prediction = logits.reshape(2 * pairs, batch, -1).mean(axis=0)
             h_all = features.astype(np.float64).reshape(2 * pairs, batch, -1)
             h_mean, h_sq = h_all.mean(axis=0), (h_all**2).mean(axis=0)
-        else:
-            prediction = self.session.owned(first)
-            h_mean, h_sq = h_first, h_first**2
+        else:  # rows theta (lower half: the prediction), theta + mu z (upper half)
+            clean, perturbed = lower, upper
+            prediction = self.session.owned(logits[clean])
+            h_mean = features[clean].astype(np.float64)
+            h_sq = h_mean**2
         if st.moments_ready:
             moments = (st.mean, st.second_moment)
         else:  # before the first step the target moments come from the batch itself
             moments = (h_mean.mean(axis=0), h_sq.mean(axis=0))
         reference = np.tile(prediction.astype(np.float64), (pairs, 1))
-        loss_first = self._loss(first, h_first, reference, moments)
-        loss_second = self._loss(second, h_second, reference, moments)
-        # coefficient of z_i: two-sided (l+ - l-)/(2 mu); one-sided (l_pert - l_clean)/mu
+
+        def loss(rows: slice) -> np.ndarray:
+            """The per-row objective [qB] of one half of the rows."""
+            return self._loss(logits[rows], features[rows].astype(np.float64), reference, moments)
+
+        # the coefficient of each z: two-sided (l+ - l-) / (2 mu), one-sided (l(z) - l(0)) / mu
         if cfg.two_sided:
-            coef = (loss_first - loss_second) / (2.0 * cfg.mu)
+            coef = (loss(plus) - loss(minus)) / (2.0 * cfg.mu)
         else:
-            coef = (loss_second - loss_first) / cfg.mu
+            coef = (loss(perturbed) - loss(clean)) / cfg.mu
         clipped = None
         if control and np.isfinite(coef).all():
             clipped = clip_coefficients(
