@@ -42,9 +42,10 @@ from .output import machine_line, pyplot, save_figure
 from .output import write_outputs as write_bench_outputs
 from .workload import export_random, random_batch
 
-COST_METHODS = (*RUNTIME_METHODS, "eva0-lowmem", "eva0-iob", "tent")
-PROMPT_TOKENS = 3
 SESSION_MODES = {"-lowmem": "low_memory", "-iob": "io_binding"}
+COST_METHODS = (*RUNTIME_METHODS, *(f"{m}{suffix}" for m in RUNTIME_METHODS[:2]
+                                     for suffix in SESSION_MODES), "tent")
+PROMPT_TOKENS = 3
 
 
 def session_mode(name: str) -> tuple[str, dict[str, bool]]:

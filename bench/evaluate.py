@@ -12,9 +12,10 @@ from typing import Any
 import numpy as np
 
 from eva0_edge.runtime.config import AdaptConfig
-from eva0_edge.runtime.foa import FOA_METHODS, FOAConfig
+from eva0_edge.runtime.foa import FOAConfig
 from eva0_edge.runtime.methods import RUNTIME_METHODS, base_name, is_prompt_method, load_method
 from eva0_edge.runtime.modelfile import read_metadata
+from eva0_edge.runtime.registry import method_names, spec_of
 
 from .corruptions import CORRUPTIONS
 from .datasets import Domain, fmnist_c_domains, folder_domains
@@ -22,7 +23,7 @@ from .fashion_mnist import VAL_SIZE, load_fashion_mnist
 from .protocols import StreamMethod, StreamResult, run_protocol
 from .report import write_report
 
-BACKPROP = ("tent", "sar", "deyo")
+BACKPROP = method_names("torch")
 BACKPROP_KEYS = ("lr",)  # --set lr=... : the torch baselines' learning rate at batch 64
 
 
@@ -82,7 +83,7 @@ def method_factory(spec: EvalSpec, name: str) -> Callable[[], StreamMethod]:
     prompt variant, see :func:`model_for`)."""
     if name not in BACKPROP:
         engine, foa = split_overrides(spec.overrides)
-        config = foa if base_name(name) in FOA_METHODS else engine
+        config = foa if spec_of(name).kind == "foa" else engine
         path = model_for(spec, name)
         return lambda: load_method(path, name, config, spec.seed, spec.provider, spec.threads,
                                    io_binding=spec.io_binding)

@@ -10,6 +10,7 @@ import logging
 import os
 
 from .config import parse_key_values
+from .registry import RUNTIME_KINDS, method_help
 
 log = logging.getLogger("eva0_edge")
 
@@ -77,11 +78,8 @@ def _engine_method(name: str) -> str:
     return name
 
 
-METHOD_HELP = ("noadapt, eva0 (default), eva0-dagger, zoa, spsa2-shared or eva0-clubs (prompt "
-               "models); name@FP sets the forwards per sample, e.g. eva0-clubs@8")
-ADAPT_METHOD_HELP = METHOD_HELP.replace(
-    "eva0-clubs (prompt models)", "eva0-clubs / foa / foa-dagger (prompt models)"
-)
+METHOD_HELP = method_help("engine")
+ADAPT_METHOD_HELP = method_help(*RUNTIME_KINDS)
 
 
 def _cmd_info(args: argparse.Namespace) -> None:

@@ -33,6 +33,7 @@ from .losses import sample_wise_alignment, shortcut_resistant_scores, softmax_en
 from .metadata import ModelMetadata
 from .perturbation import AnchorShare, PerturbationPlan, anchor_direction
 from .rates import statistics_window, step_rates, window_factor, windowed_update
+from .registry import REGISTRY, MethodSpec, parse_method
 from .session import AdaptableSession
 from .state import (
     AdaptState,
@@ -46,65 +47,8 @@ from .stepcontrol import ClippedCoefficients, clip_coefficients, limit_step
 
 log = logging.getLogger(__name__)
 
-_PLAIN = {"shortcut_resistant": False, "center": False, "anchor_per_64": 0.0, "gamma": 0.0}
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    """A runtime method: whether it adapts, its forwards per sample, and its config overrides."""
-
-    name: str
-    adapts: bool
-    forwards_per_sample: int
-    overrides: dict[str, Any]
-    description: str
-
-
-METHODS: dict[str, MethodSpec] = {
-    spec.name: spec
-    for spec in (
-        MethodSpec("noadapt", False, 1, {}, "the source model, one forward"),
-        MethodSpec("eva0", True, 2, {}, "EVA-0 (lambda > 0 when the model has source stats)"),
-        MethodSpec("eva0-dagger", True, 2, {"lambda_swa": 0.0}, "EVA-0, fully source-free"),
-        MethodSpec(
-            "zoa",
-            True,
-            2,
-            {**_PLAIN, "two_sided": False, "sample_wise": False},
-            "ZOA-style one-sided SPSA: clean forward predicts, one shared perturbed forward",
-        ),
-        MethodSpec(
-            "spsa2-shared",
-            True,
-            2,
-            {**_PLAIN, "sample_wise": False},
-            "two-sided SPSA with one batch-shared perturbation, plain entropy",
-        ),
-        MethodSpec(
-            "eva0-clubs",
-            True,
-            2,
-            {"lambda_swa": 0.0},
-            "EVA-0-clubs: black-box prompt adaptation with E_SR only (prompt models); "
-            "#FP with name@FP, e.g. eva0-clubs@8",
-        ),
-    )
-}
-PROMPT_ONLY = ("eva0-clubs",)
-
-
-def parse_method(name: str) -> tuple[str, dict[str, Any]]:
-    """``"eva0-clubs@8"`` -> ``("eva0-clubs", {"forwards": 8})``; a plain name has no overrides.
-
-    ``@FP`` sets the forward passes per sample (#FP) of an adapting method; ValueError if the
-    suffix is not a positive integer.
-    """
-    base, sep, fp = name.partition("@")
-    if not sep:
-        return name, {}
-    if not fp.isdigit() or int(fp) < 1:
-        raise ValueError(f"bad method {name!r}: the part after @ is #FP, e.g. {base}@8")
-    return base, {"forwards": int(fp)}
+METHODS: dict[str, MethodSpec] = {n: s for n, s in REGISTRY.items() if s.kind == "engine"}
+PROMPT_ONLY = tuple(name for name, spec in METHODS.items() if spec.prompt_model)
 
 REGENERATE_CHUNK_ROWS = 8
 

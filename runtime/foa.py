@@ -26,12 +26,10 @@ from typing import Any
 import numpy as np
 
 from .config import replaced
-from .engine import parse_method
 from .losses import softmax_entropy
 from .metadata import ModelMetadata
+from .registry import FOA_FORWARDS, REGISTRY, parse_method
 from .session import AdaptableSession
-
-FOA_FORWARDS = 28
 
 
 @dataclass(frozen=True)
@@ -57,8 +55,7 @@ class FOAConfig:
 
 
 FOA_METHODS: dict[str, dict[str, Any]] = {
-    "foa": {},
-    "foa-dagger": {"lambda_fit": 0.0, "shift": False},
+    name: spec.overrides for name, spec in REGISTRY.items() if spec.kind == "foa"
 }
 
 
