@@ -79,11 +79,13 @@ class GradientEstimate:
 
 @dataclass
 class StepStats:
-    """What the last step saw: mean prediction entropy (nats), mean logit norm, skipped."""
+    """What the last step saw: mean prediction entropy (nats), mean logit norm, skipped, and how
+    many of its perturbations were anchor-guided."""
 
     entropy: float = float("nan")
     logit_norm: float = float("nan")
     skipped: bool = False
+    anchor_rows: int = 0
 
 
 class AdaptiveModel:
@@ -323,6 +325,7 @@ class AdaptiveModel:
         n_anchor = self._share.take(x.shape[0]) if self.config.sample_wise else 0
         est = self._estimate(x, self.state.step, n_anchor, control=True)
         self._record(est.prediction)
+        self.last.anchor_rows = n_anchor
         self.state.step += 1
         if not (np.isfinite(est.coef).all() and np.isfinite(est.grad).all()):
             return self._skip(est.prediction, "non-finite loss or gradient")

@@ -99,7 +99,7 @@ class FOAModel:
             self._source_mean = metadata.arrays["source_mean"].astype(np.float64)
             self._source_std = metadata.arrays["source_std"].astype(np.float64)
             head = next(s for s in metadata.feature_layout if s.name == "head_input")
-            self._head = slice(head.offset, head.offset + head.size)
+            self.head_features = slice(head.offset, head.offset + head.size)
         self.seed = int(seed)
         self.reset()
 
@@ -165,7 +165,7 @@ class FOAModel:
         forward per sample, no adaptation."""
         x = self.session.check_input(x)
         prompts = np.broadcast_to(self.best_prompt, (x.shape[0], self.best_prompt.size))
-        _, _, shifted = self.session.run_shifted(x, prompts, self._shift())
+        _, _, shifted = self.session.run_shifted(x, prompts, self.head_shift())
         self.session.counter.samples += x.shape[0]
         return self.session.owned(shifted)
 
@@ -178,7 +178,7 @@ class FOAModel:
         if self.config.forwards > 2:
             candidates.append(self.best_prompt)
         rows = np.repeat(np.stack(candidates).astype(np.float32), batch, axis=0)
-        logits, features, shifted = self.session.run_shifted(x, rows, self._shift())
+        logits, features, shifted = self.session.run_shifted(x, rows, self.head_shift())
         self.session.counter.samples += batch
         count = len(candidates)
         logits = logits.reshape(count, batch, -1).astype(np.float64)
@@ -188,7 +188,7 @@ class FOAModel:
         best = int(np.argmin(fitness))
         self.best_prompt, self.best_fitness = candidates[best], float(fitness[best])
         if self.config.shift:
-            batch_mean = features[:, :, self._head].mean(axis=(0, 1))
+            batch_mean = features[:, :, self.head_features].mean(axis=(0, 1))
             a = self.config.shift_alpha
             self.test_mean = (
                 batch_mean if self.test_mean is None else (1 - a) * self.test_mean + a * batch_mean
@@ -209,11 +209,12 @@ class FOAModel:
         ).sum(axis=1)
         return entropy + self.config.lambda_fit * discrepancy * batch / 64.0
 
-    def _shift(self) -> np.ndarray:
-        """The head-input shift [D]: zero until a batch has been seen, or with shifting off."""
+    def head_shift(self) -> np.ndarray:
+        """The activation shift added to the head input [D] (FOA: ``shift_step`` x (source mean -
+        EMA test mean) of the head-input features); zero until a batch has been seen, or with
+        shifting off. ``head_features`` is the slice of the feature vector it applies to."""
         width = self.metadata.feature_layout[-1].size
         if not self.config.shift or self.test_mean is None:
             return np.zeros(width, dtype=np.float32)
-        return (self.config.shift_step * (self._source_mean[self._head] - self.test_mean)).astype(
-            np.float32
-        )
+        shift = self.config.shift_step * (self._source_mean[self.head_features] - self.test_mean)
+        return shift.astype(np.float32)

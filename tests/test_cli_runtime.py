@@ -41,7 +41,7 @@ def test_calibrate_writes_feature_statistics(small_vit, tmp_path):
     metadata = read_metadata(out)
     assert metadata.has_source_stats
     session = AdaptableSession(small_vit.onnx_path, metadata, "cpu")
-    x = open_input(tmp_path / "clean.npz", metadata.preprocessing)._load(0, 40)
+    _, x, _ = next(open_input(tmp_path / "clean.npz", metadata.preprocessing).batches(40))
     _, features = session.run(x, np.tile(metadata.theta0, (40, 1)))
     np.testing.assert_allclose(metadata.arrays["source_mean"], features.mean(0), atol=1e-5)
     np.testing.assert_allclose(metadata.arrays["source_std"], features.std(0), atol=1e-4)

@@ -157,8 +157,8 @@ def test_foa_shifts_activations_toward_the_source_mean(prompt_vit):
     model = FOAModel.load(prompt_vit.onnx_path, "foa", provider="cpu")
     x = batch(8)
     model.step(x)
-    shift = model._shift()
-    head = model._head
+    shift = model.head_shift()
+    head = model.head_features
     expected = model.metadata.arrays["source_mean"][head] - model.test_mean
     np.testing.assert_allclose(shift, expected, rtol=1e-5, atol=1e-6)
     logits = model.step(x)  # the returned logits are the best candidate's shifted ones
@@ -167,7 +167,7 @@ def test_foa_shifts_activations_toward_the_source_mean(prompt_vit):
     np.testing.assert_allclose(logits, shifted, atol=1e-4)
     dagger = FOAModel.load(prompt_vit.onnx_path, "foa-dagger", provider="cpu")
     dagger.step(x)
-    assert not dagger._shift().any()
+    assert not dagger.head_shift().any()
 
 
 def test_foa_needs_source_statistics_and_foa_dagger_does_not(tmp_path):
