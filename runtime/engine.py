@@ -14,6 +14,11 @@ One step on a batch x [B, C, H, W]:
    converted to B (:mod:`rates`), so they mean the same at every batch size.
 
 A non-finite loss, gradient or theta is never written: the step is skipped and counted.
+
+Steps 1-4 are :class:`~.estimator.ZerothOrderEstimator` (the objective:
+:class:`~.estimator.Objective`), step 5 :func:`~.update.apply_update`; the rates are in
+:mod:`.rates`, the state and its file format in :mod:`.state`, the health guard in :mod:`.guard`.
+:class:`AdaptiveModel` orchestrates them and owns the state.
 """
 
 from __future__ import annotations
@@ -28,11 +33,11 @@ from typing import Any
 import numpy as np
 
 from .config import AdaptConfig
+from .estimator import GradientEstimate, Objective, ZerothOrderEstimator
 from .guard import GuardBounds, HealthGuard, alignment_distance
-from .losses import sample_wise_alignment, shortcut_resistant_scores, softmax_entropy
+from .losses import softmax_entropy
 from .metadata import ModelMetadata
-from .perturbation import AnchorShare, PerturbationPlan, anchor_direction
-from .rates import statistics_window, step_rates, window_factor, windowed_update
+from .perturbation import AnchorShare
 from .registry import REGISTRY, MethodSpec, parse_method
 from .session import AdaptableSession
 from .state import (
@@ -43,7 +48,7 @@ from .state import (
     read_state_file,
     write_state_file,
 )
-from .stepcontrol import ClippedCoefficients, clip_coefficients, limit_step
+from .update import apply_update
 
 log = logging.getLogger(__name__)
 
@@ -61,20 +66,6 @@ def model_fingerprint(metadata: ModelMetadata) -> str:
     h.update(repr([(s.name, s.size) for s in metadata.feature_layout]).encode())
     h.update(np.ascontiguousarray(metadata.theta0, dtype=np.float32).tobytes())
     return h.hexdigest()[:16]
-
-
-@dataclass
-class GradientEstimate:
-    """One estimator evaluation: prediction [B, K] (logits), grad [P] (float64), coef [qB]
-    (the scalar multiplying z_i, after clipping), h_mean / h_sq [B, F] (features and squares,
-    side-averaged), control: the clipping outcome (None when not clipped, see ``estimate``)."""
-
-    prediction: np.ndarray
-    grad: np.ndarray
-    coef: np.ndarray
-    h_mean: np.ndarray
-    h_sq: np.ndarray
-    control: ClippedCoefficients | None = None
 
 
 @dataclass
@@ -120,6 +111,9 @@ class AdaptiveModel:
             (arrays["source_mean"].astype(np.float64), arrays["source_std"].astype(np.float64))
             if self.metadata.has_source_stats
             else None
+        )
+        self.estimator = ZerothOrderEstimator(
+            session, self.config, Objective(self.config, self._source_stats)
         )
         self.seed = int(seed)
         self.last = StepStats()
@@ -323,13 +317,16 @@ class AdaptiveModel:
             return logits
         x = self.session.check_input(x)
         n_anchor = self._share.take(x.shape[0]) if self.config.sample_wise else 0
-        est = self._estimate(x, self.state.step, n_anchor, control=True)
+        est = self.estimator.estimate(
+            x, self.state, self.seed, self.state.step, n_anchor, control=True
+        )
+        self.session.counter.samples += x.shape[0]
         self._record(est.prediction)
         self.last.anchor_rows = n_anchor
         self.state.step += 1
         if not (np.isfinite(est.coef).all() and np.isfinite(est.grad).all()):
             return self._skip(est.prediction, "non-finite loss or gradient")
-        if not self._update(est):
+        if not apply_update(self.config, self.state, est):
             return self._skip(est.prediction, "non-finite theta")
         if self.guard is not None:
             self._watch(est.prediction)
@@ -364,176 +361,11 @@ class AdaptiveModel:
         rows."""
         x = self.session.check_input(x)
         index = self.state.step if step_index is None else int(step_index)
-        return self._estimate(x, index, 0, control=False)
-
-    def _estimate(
-        self, x: np.ndarray, step_index: int, n_anchor: int, control: bool
-    ) -> GradientEstimate:
-        cfg, st = self.config, self.state
-        batch = x.shape[0]
-        d_bar = (
-            anchor_direction(st.theta, st.anchor, cfg.delta)
-            if n_anchor
-            else np.zeros_like(st.theta)
-        )
-        pairs = cfg.forwards // 2
-        plan = PerturbationPlan.create(
-            self.seed, step_index, pairs * (batch if cfg.sample_wise else 1), n_anchor, d_bar
-        )
-        rows, z_all = self._perturbed_rows(plan, batch, pairs)
-        logits, features = self.session.run(x, rows)
-        self.session.counter.samples += batch
-        half = pairs * batch  # rows j * B + i: pair j, sample i (each half copy-major)
-        lower, upper = slice(0, half), slice(half, 2 * half)
-        if cfg.two_sided:  # rows theta + mu z (lower half), theta - mu z (upper half)
-            plus, minus = lower, upper
-            prediction = logits.reshape(2 * pairs, batch, -1).mean(axis=0)
-            h_all = features.astype(np.float64).reshape(2 * pairs, batch, -1)
-            h_mean, h_sq = h_all.mean(axis=0), (h_all**2).mean(axis=0)
-        else:  # rows theta (lower half: the prediction), theta + mu z (upper half)
-            clean, perturbed = lower, upper
-            prediction = self.session.owned(logits[clean])
-            h_mean = features[clean].astype(np.float64)
-            h_sq = h_mean**2
-        if st.moments_ready:
-            moments = (st.mean, st.second_moment)
-        else:  # before the first step the target moments come from the batch itself
-            moments = (h_mean.mean(axis=0), h_sq.mean(axis=0))
-        reference = np.tile(prediction.astype(np.float64), (pairs, 1))
-
-        def loss(rows: slice) -> np.ndarray:
-            """The per-row objective [qB] of one half of the rows."""
-            return self._loss(logits[rows], features[rows].astype(np.float64), reference, moments)
-
-        # the coefficient of each z: two-sided (l+ - l-) / (2 mu), one-sided (l(z) - l(0)) / mu
-        if cfg.two_sided:
-            coef = (loss(plus) - loss(minus)) / (2.0 * cfg.mu)
-        else:
-            coef = (loss(perturbed) - loss(clean)) / cfg.mu
-        clipped = None
-        if control and np.isfinite(coef).all():
-            clipped = clip_coefficients(
-                coef, st.coef_scale, st.coef_weight, cfg.coef_clip, cfg.coef_window
-            )
-            coef = clipped.coef
-        grad = self._gradient(plan, coef, z_all, pairs)
-        return GradientEstimate(prediction, grad, coef, h_mean, h_sq, clipped)
+        est = self.estimator.estimate(x, self.state, self.seed, index, 0, control=False)
+        self.session.counter.samples += x.shape[0]
+        return est
 
     # ----------------------------------------------------------------- internals
-    def _perturbed_rows(
-        self, plan: PerturbationPlan, batch: int, pairs: int
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        """The [2qB, P] theta input (q = ``pairs``); also Z [plan rows, P] unless it is
-        regenerated later. A shared z (one per pair) fills all B rows of its pair."""
-        cfg, theta = self.config, self.state.theta
-        half = pairs * batch
-        rows = np.empty((2 * half, theta.size), dtype=np.float32)
-        chunk = REGENERATE_CHUNK_ROWS if cfg.regenerate_z else plan.rows
-        kept = []
-        for sl, z in plan.chunks(chunk):
-            step = cfg.mu * z
-            if not cfg.sample_wise:  # one z per pair for the whole batch
-                step = np.repeat(step, batch, axis=0)
-                sl = slice(sl.start * batch, sl.stop * batch)
-            if cfg.two_sided:
-                rows[sl] = theta + step
-                rows[half + sl.start : half + sl.stop] = theta - step
-            else:
-                rows[sl] = theta
-                rows[half + sl.start : half + sl.stop] = theta + step
-            if not cfg.regenerate_z:
-                kept.append(z)
-        return rows, (np.concatenate(kept) if kept else None)
-
-    def _gradient(
-        self, plan: PerturbationPlan, coef: np.ndarray, z_all: np.ndarray | None, pairs: int
-    ) -> np.ndarray:
-        """g = (1/(qB)) sum_(j,i) coef_ji z_ji ([P] float64), over the q pairs of the B samples;
-        Z regenerated chunk by chunk if asked."""
-        count = coef.shape[0]
-        if not self.config.sample_wise:
-            z = z_all if z_all is not None else plan.draw()
-            return (coef.reshape(pairs, -1).mean(axis=1) @ z.astype(np.float64)) / pairs
-        if z_all is not None:
-            return (coef @ z_all.astype(np.float64)) / count
-        grad = np.zeros(plan.d_bar.size, dtype=np.float64)
-        for sl, z in plan.chunks(REGENERATE_CHUNK_ROWS):
-            grad += coef[sl] @ z.astype(np.float64)
-        return grad / count
-
-    def _loss(
-        self,
-        logits: np.ndarray,
-        features: np.ndarray,
-        reference: np.ndarray,
-        moments: tuple[np.ndarray, np.ndarray],
-    ) -> np.ndarray:
-        """Per-sample objective [B] of one side; ``moments`` = target (mean, E[h^2]) [F]."""
-        cfg = self.config
-        ref_norm = np.linalg.norm(reference, axis=1) if cfg.shortcut_resistant else None
-        center = self.state.center if cfg.center else None
-        scores = shortcut_resistant_scores(logits.astype(np.float64), ref_norm, center, cfg.eps)
-        loss = softmax_entropy(scores)
-        if cfg.lambda_swa > 0:
-            source_mean, source_std = self._source_stats
-            loss = loss + cfg.lambda_swa * sample_wise_alignment(
-                features, *moments, source_mean, source_std, cfg.rho, cfg.eps
-            )
-        return loss
-
-    def _update(self, est: GradientEstimate) -> bool:
-        """Apply the SGD step, balancing, trust radius, relaxation and the windowed statistics,
-        at the rates of this batch size; False (nothing written) if the new theta is not
-        finite."""
-        cfg, st = self.config, self.state
-        batch = est.prediction.shape[0]
-        rates = step_rates(cfg, batch, st.theta.size)
-        theta = st.theta.astype(np.float64)
-        anchor = st.anchor.astype(np.float64)
-        velocity = (
-            rates.momentum * st.velocity + (1.0 - rates.momentum) * est.grad
-            if cfg.momentum else est.grad
-        )
-        delta = -rates.eta * velocity
-        balance_in, balance_out = st.balance_in, st.balance_out
-        if rates.balance_beta is not None:
-            delta, balance_in, balance_out = _balance(
-                delta, anchor - theta, balance_in, balance_out, rates.balance_beta, cfg.eps
-            )
-        with np.errstate(over="ignore", invalid="ignore"):  # overflow is caught just below
-            delta, cut = limit_step(delta, rates.max_step_norm)
-            new_theta = (1.0 - rates.gamma) * (theta + delta) + rates.gamma * anchor
-            new_theta = new_theta.astype(np.float32)
-        if not np.isfinite(new_theta).all():  # checked in float32, the dtype that is stored
-            return False
-        st.theta = new_theta
-        st.velocity = np.asarray(velocity, dtype=np.float32)
-        st.balance_in, st.balance_out = balance_in, balance_out
-        st.clipped_steps += int(cut)
-        if est.control is not None:
-            st.clipped_coefs += est.control.clipped
-            st.coef_scale, st.coef_weight = est.control.scale, est.control.weight
-        if rates.anchor_follow is not None:
-            follow = rates.anchor_follow
-            st.anchor = (follow * new_theta.astype(np.float64) + (1.0 - follow) * anchor).astype(
-                np.float32
-            )
-        self._update_statistics(est)
-        return True
-
-    def _update_statistics(self, est: GradientEstimate) -> None:
-        """Centre and moments: windowed means over the last W samples, in stream order."""
-        st = self.state
-        factor = window_factor(statistics_window(self.config))
-        weight = st.stat_weight
-        st.center, _ = windowed_update(
-            st.center, weight, est.prediction.astype(np.float64), factor
-        )
-        st.mean, _ = windowed_update(st.mean, weight, est.h_mean, factor)
-        st.second_moment, st.stat_weight = windowed_update(
-            st.second_moment, weight, est.h_sq, factor
-        )
-
     def _record(self, prediction: np.ndarray) -> None:
         p = prediction.astype(np.float64)
         self.last = StepStats(
@@ -546,23 +378,3 @@ class AdaptiveModel:
         self.last.skipped = True
         log.warning("step %d skipped: %s", self.state.step, why)
         return prediction
-
-
-def _balance(
-    delta: np.ndarray,
-    to_anchor: np.ndarray,
-    a_in: float,
-    a_out: float,
-    beta: float,
-    eps: float,
-) -> tuple[np.ndarray, float, float]:
-    """Paper appendix: damp the outward anchor-parallel part of the update when recent outward
-    movement dominates inward movement. Returns (delta, a_in, a_out)."""
-    e = to_anchor / (np.linalg.norm(to_anchor) + eps)
-    c = float(delta @ e)
-    a_in = beta * a_in + (1.0 - beta) * max(c, 0.0)
-    a_out = beta * a_out + (1.0 - beta) * max(-c, 0.0)
-    if c < 0:
-        scale = min(1.0, a_in / (a_out + eps))
-        delta = delta + (scale - 1.0) * c * e
-    return delta, a_in, a_out
