@@ -6,12 +6,26 @@ STAMP := $(VENV)/.eva0-edge-installed
 
 FMNIST := /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz
 
-.PHONY: blackbox setup data demo test test-fast lint tables sweep tune
+.PHONY: blackbox setup data demo test test-fast lint tables sweep tune FORCE
 
-$(STAMP): pyproject.toml constraints.txt
+# A strict editable install: a link tree mirrors the import names (eva0_edge.runtime ->
+# runtime/, ...), so static tools (mypy, IDEs) resolve them too; the tree is rebuilt when the
+# set of modules changes (SOURCES below), an edit to a module needs nothing.
+SOURCES := $(sort $(wildcard src/eva0_edge/*.py exporter/*.py runtime/*.py runtime/*/*.py quant/*.py \
+	bench/*.py))
+SOURCE_LIST := $(VENV)/.eva0-edge-sources
+
+$(SOURCE_LIST): FORCE
+	@mkdir -p $(VENV)
+	@echo "$(SOURCES)" | cmp -s - $@ || echo "$(SOURCES)" > $@
+
+$(STAMP): pyproject.toml constraints.txt $(SOURCE_LIST)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev,bench]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,bench]" \
+		--config-settings editable_mode=strict
 	touch $@
+
+FORCE:
 
 setup: $(STAMP)
 

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and cost tables, in one run on a machine with an NVIDIA GPU and
 # onnxruntime-gpu (CUDA 13 build) importable, eva0-edge installed, Fashion-MNIST's t10k files
-# under $EVA0_FMNIST_ROOT. Run from the checkout's root. eva0-edge installed from a wheel (not
-# editable) is shadowed there by the checkout's bare eva0_edge/ folder: move it aside first. Random-weight models are exported into $EVA0_CACHE/bench-models first
+# under $EVA0_FMNIST_ROOT. Run from the checkout's root. Random-weight models are exported into $EVA0_CACHE/bench-models first
 # (or found there). Results go to $1/results.tar (re-written after every part, so a run cut
 # short still returns what it finished) and the log to stdout.
 #   bash bench/gpu_check.sh OUT_DIR
