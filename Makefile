@@ -50,6 +50,7 @@ test-fast: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy -p eva0_edge.runtime
 
 # The closing-note tables: both shipped models, severity 5, all methods, single + continual.
 TABLE_METHODS := noadapt,eva0,eva0-dagger,zoa,spsa2-shared,tent,sar,deyo

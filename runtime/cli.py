@@ -118,12 +118,13 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
         args.model, args.method, parse_key_values(args.set or []), args.seed, args.provider,
         low_memory=args.low_memory, io_binding=args.io_binding,
     )
-    if args.state and isinstance(model, FOAModel):
-        raise ValueError(
-            f"--state: {args.method}'s CMA-ES search state cannot be saved or resumed yet; "
-            "run it without --state"
-        )
-    if args.state and Path(args.state).is_file():
+    if isinstance(model, FOAModel):
+        if args.state:
+            raise ValueError(
+                f"--state: {args.method}'s CMA-ES search state cannot be saved or resumed yet; "
+                "run it without --state"
+            )
+    elif args.state and Path(args.state).is_file():
         model.load_state(args.state)
         log.info("resumed from %s at step %d", args.state, model.state.step)
     stream = open_input(args.input, model.metadata.preprocessing)
@@ -142,7 +143,7 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
                 correct += int((logits.argmax(axis=1) == labels).sum())
                 seen += len(labels)
                 progress.set_postfix(acc=f"{100.0 * correct / seen:.2f}")
-    if args.state:
+    if args.state and not isinstance(model, FOAModel):
         model.save_state(args.state)
     stats = model.stats()
     summary = (

@@ -52,7 +52,7 @@ class InputStream:
                 return preprocess_uint8(chunk, self.pre)
             return np.asarray(chunk, dtype=np.float32)
         images = []
-        for path in self._files[start:stop]:
+        for path in (self._files or [])[start:stop]:
             try:
                 with Image.open(path) as image:
                     image.load()

@@ -329,18 +329,18 @@ class AdaptiveModel:
         if not apply_update(self.config, self.state, est):
             return self._skip(est.prediction, "non-finite theta")
         if self.guard is not None:
-            self._watch(est.prediction)
+            self._watch(self.guard, est.prediction)
         return est.prediction
 
-    def _watch(self, prediction: np.ndarray) -> None:
+    def _watch(self, guard: HealthGuard, prediction: np.ndarray) -> None:
         """Feed the health guard; checkpoint when healthy, roll back when it trips."""
-        reason, checkpoint = self.guard.observe(prediction, self._drift(), self._alignment())
+        reason, checkpoint = guard.observe(prediction, self._drift(), self._alignment())
         st = self.state
         if checkpoint:
             st.healthy_theta = st.theta.copy()
         if reason is None:
             return
-        to_source = self.guard.tripped(reason)
+        to_source = guard.tripped(reason)
         if to_source:
             st.healthy_theta = self.metadata.theta0.astype(np.float32).copy()
         st.theta = st.healthy_theta.copy()

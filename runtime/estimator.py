@@ -58,10 +58,13 @@ class Objective:
         ``center``: the output centre [K] (used when ``config.center``)."""
         cfg = self.config
         ref_norm = np.linalg.norm(reference, axis=1) if cfg.shortcut_resistant else None
-        center = center if cfg.center else None
-        scores = shortcut_resistant_scores(logits.astype(np.float64), ref_norm, center, cfg.eps)
+        scores = shortcut_resistant_scores(
+            logits.astype(np.float64), ref_norm, center if cfg.center else None, cfg.eps
+        )
         loss = softmax_entropy(scores)
         if cfg.lambda_swa > 0:
+            if self.source_stats is None:
+                raise ValueError("lambda_swa > 0 needs the model's source statistics")
             source_mean, source_std = self.source_stats
             loss = loss + cfg.lambda_swa * sample_wise_alignment(
                 features, *moments, source_mean, source_std, cfg.rho, cfg.eps

@@ -168,10 +168,11 @@ class ModelMetadata:
                 raise ModelFormatError(
                     f"model format {version} is newer than this runtime ({FORMAT_VERSION})"
                 )
-            meta["preprocessing"] = Preprocessing(**{
+            values: dict[str, Any] = {
                 k: tuple(v) if isinstance(v, list) else v
                 for k, v in meta["preprocessing"].items()
-            })
+            }
+            meta["preprocessing"] = Preprocessing(**values)
             for key in ("theta_layout", "feature_layout"):
                 meta[key] = [
                     Segment(s["name"], s["offset"], s["size"], tuple(s.get("shape", ())))

@@ -8,7 +8,7 @@ import csv
 import json
 import os
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
 
@@ -26,7 +26,7 @@ class PredictionWriter:
         self.class_names = class_names
         self.with_logits = with_logits
         self._file: IO[str] | None = None
-        self._csv = None
+        self._csv: Any = None  # csv.writer's type is private
 
     def __enter__(self) -> PredictionWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -40,7 +40,7 @@ class PredictionWriter:
     def write(self, names: list[str], logits: np.ndarray, true: np.ndarray | None) -> None:
         labels = logits.argmax(axis=1)
         for i, name in enumerate(names):
-            row = {
+            row: dict[str, Any] = {
                 "input": name,
                 "label": int(labels[i]),
                 "class": self.class_names[int(labels[i])],
@@ -54,11 +54,17 @@ class PredictionWriter:
                     values.append(" ".join(map(str, row["logits"])))
                 self._csv.writerow(["" if v is None else v for v in values])
             else:
-                self._file.write(json.dumps(row) + "\n")
+                self._opened().write(json.dumps(row) + "\n")
+
+    def _opened(self) -> IO[str]:
+        if self._file is None:
+            raise RuntimeError("PredictionWriter is used outside its `with` block")
+        return self._file
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        file = self._opened()
+        file.flush()
+        os.fsync(file.fileno())
+        file.close()
         if exc_type is None:
             os.replace(self.partial, self.path)

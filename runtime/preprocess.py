@@ -4,6 +4,7 @@ resize the shorter side to size / crop_pct, centre-crop, scale to [0, 1], normal
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 from PIL import Image
@@ -43,7 +44,7 @@ def _resize_crop(image: Image.Image, pre: Preprocessing) -> Image.Image:
     return image.crop((left, top, left + width, top + height))
 
 
-def preprocess_images(images: list[Image.Image], pre: Preprocessing) -> np.ndarray:
+def preprocess_images(images: Sequence[Image.Image], pre: Preprocessing) -> np.ndarray:
     """PIL images of any size/mode -> float32 [N, C, H, W]."""
     arrays = []
     for image in images:

@@ -54,8 +54,9 @@ def header_deadline_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
             self._headers_deadline = self.loop.call_later(header_timeout_s, self._headers_late)
 
         def _disarm_header_deadline(self) -> None:
-            if getattr(self, "_headers_deadline", None) is not None:
-                self._headers_deadline.cancel()
+            deadline = getattr(self, "_headers_deadline", None)
+            if deadline is not None:
+                deadline.cancel()
                 self._headers_deadline = None
 
         def _headers_late(self) -> None:

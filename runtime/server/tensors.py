@@ -105,7 +105,7 @@ def model_input(
         if not data:
             raise ProtocolError(f"{IMAGES!r} is an empty batch")
         return _decode_images(data, metadata, max_pixels)
-    if request.datatypes[name] != "FP32":
+    if request.datatypes[name] != "FP32" or not isinstance(data, np.ndarray):
         raise ProtocolError(f"{PIXELS!r} must be FP32, got {request.datatypes[name]}")
     return data
 
