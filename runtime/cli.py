@@ -52,7 +52,8 @@ def add_runtime_options(p: argparse.ArgumentParser, *, method: bool = True) -> N
 
 
 def _runtime_method(name: str) -> str:
-    """argparse type of --method on adapt: any runtime method (FOA included), @FP allowed."""
+    """argparse type of --method on adapt / serve: any runtime method (FOA included), @FP
+    allowed."""
     from .methods import base_name
 
     try:
@@ -62,24 +63,7 @@ def _runtime_method(name: str) -> str:
     return name
 
 
-def _engine_method(name: str) -> str:
-    """argparse type of --method on adapt / serve: an EVA-0-family method, @FP allowed."""
-    from .engine import METHODS, parse_method
-
-    try:
-        base, _ = parse_method(name)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from err
-    if base not in METHODS:
-        raise argparse.ArgumentTypeError(
-            f"{name!r} is not one of {', '.join(sorted(METHODS))} (FOA runs in adapt, eval "
-            "and bench; the server keeps EVA-0-family state only)"
-        )
-    return name
-
-
-METHOD_HELP = method_help("engine")
-ADAPT_METHOD_HELP = method_help(*RUNTIME_KINDS)
+RUNTIME_METHOD_HELP = method_help(*RUNTIME_KINDS)
 
 
 def _cmd_info(args: argparse.Namespace) -> None:
@@ -159,10 +143,10 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
 def _cmd_serve(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from .engine import AdaptiveModel
+    from .methods import load_method
     from .server import ServeOptions, run_server
 
-    model = AdaptiveModel.load(
+    model = load_method(
         args.model, args.method, parse_key_values(args.set or []), args.seed, args.provider,
         args.threads, args.low_memory, args.io_binding,
     )
@@ -220,7 +204,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input", required=True, help="folder of images, .npy or .npz (the stream)")
     p.add_argument("--output", required=True, help="predictions .jsonl or .csv")
     p.add_argument("--logits", action="store_true", help="also write the logits")
-    p.add_argument("--method", default="eva0", type=_runtime_method, help=ADAPT_METHOD_HELP)
+    p.add_argument("--method", default="eva0", type=_runtime_method, help=RUNTIME_METHOD_HELP)
     p.add_argument("--state", help="state file: resumed from if it exists, saved at the end")
     p.add_argument("--low-memory", action="store_true", help=LOW_MEMORY_HELP)
     add_runtime_options(p)
@@ -231,7 +215,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", help="model name in the URLs (default: the file's stem)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="default 8000")
-    p.add_argument("--method", default="eva0", type=_engine_method, help=METHOD_HELP)
+    p.add_argument("--method", default="eva0", type=_runtime_method, help=RUNTIME_METHOD_HELP)
     p.add_argument("--max-batch", type=int, default=64,
                    help="most rows per adaptation step and per request (default 64)")
     p.add_argument("--max-delay-ms", type=float, default=10.0,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +35,8 @@ import numpy as np
 from .config import AdaptConfig
 from .estimator import GradientEstimate, Objective, ZerothOrderEstimator
 from .guard import GuardBounds, HealthGuard, alignment_distance
-from .losses import softmax_entropy
 from .metadata import ModelMetadata
+from .monitoring import Health, StepStats
 from .perturbation import AnchorShare
 from .registry import REGISTRY, MethodSpec, parse_method
 from .session import AdaptableSession
@@ -66,17 +66,6 @@ def model_fingerprint(metadata: ModelMetadata) -> str:
     h.update(repr([(s.name, s.size) for s in metadata.feature_layout]).encode())
     h.update(np.ascontiguousarray(metadata.theta0, dtype=np.float32).tobytes())
     return h.hexdigest()[:16]
-
-
-@dataclass
-class StepStats:
-    """What the last step saw: mean prediction entropy (nats), mean logit norm, skipped, and how
-    many of its perturbations were anchor-guided."""
-
-    entropy: float = float("nan")
-    logit_norm: float = float("nan")
-    skipped: bool = False
-    anchor_rows: int = 0
 
 
 class AdaptiveModel:
@@ -289,6 +278,12 @@ class AdaptiveModel:
             },
         }
 
+    def health(self) -> Health:
+        """The counters a server exports (see :class:`~.monitoring.Health`)."""
+        st = self.state
+        return Health(st.step, self._drift(), st.guard_trips, st.clipped_coefs,
+                      self.spec.adapts and not (st.frozen or st.pause_left > 0))
+
     def _drift(self) -> float:
         return float(np.linalg.norm(self.state.theta - self.metadata.theta0))
 
@@ -367,11 +362,7 @@ class AdaptiveModel:
 
     # ----------------------------------------------------------------- internals
     def _record(self, prediction: np.ndarray) -> None:
-        p = prediction.astype(np.float64)
-        self.last = StepStats(
-            entropy=float(softmax_entropy(p).mean()),
-            logit_norm=float(np.linalg.norm(p, axis=1).mean()),
-        )
+        self.last = StepStats.of(prediction)
 
     def _skip(self, prediction: np.ndarray, why: str) -> np.ndarray:
         self.state.skipped += 1

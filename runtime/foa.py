@@ -28,6 +28,7 @@ import numpy as np
 from .config import replaced
 from .losses import softmax_entropy
 from .metadata import ModelMetadata
+from .monitoring import Health, StepStats
 from .registry import FOA_FORWARDS, REGISTRY, parse_method
 from .session import AdaptableSession
 
@@ -146,6 +147,19 @@ class FOAModel:
         self.best_fitness = float("nan")
         self.test_mean: np.ndarray | None = None
         self.steps = 0
+        self.frozen = False
+        self.last = StepStats()
+
+    def freeze(self, frozen: bool = True) -> None:
+        """Predict with the best prompt so far and stop searching (``frozen``), or resume."""
+        self.frozen = bool(frozen)
+
+    def health(self) -> Health:
+        """The counters a server exports; FOA has no guard and clips nothing."""
+        return Health(self.steps, self._drift(), 0, 0, not self.frozen)
+
+    def _drift(self) -> float:
+        return float(np.linalg.norm(self.best_prompt - self.metadata.theta0))
 
     def stats(self) -> dict[str, Any]:
         counter = self.session.counter
@@ -156,8 +170,11 @@ class FOAModel:
             "samples": counter.samples,
             "forwards": counter.forwards,
             "forwards_per_sample": counter.per_sample,
-            "drift": float(np.linalg.norm(self.best_prompt - self.metadata.theta0)),
+            "drift": self._drift(),
             "best_fitness": self.best_fitness,
+            "mean_entropy": self.last.entropy,
+            "mean_logit_norm": self.last.logit_norm,
+            "frozen": self.frozen,
         }
 
     def predict(self, x: np.ndarray) -> np.ndarray:
@@ -167,11 +184,14 @@ class FOAModel:
         prompts = np.broadcast_to(self.best_prompt, (x.shape[0], self.best_prompt.size))
         _, _, shifted = self.session.run_shifted(x, prompts, self.head_shift())
         self.session.counter.samples += x.shape[0]
+        self.last = StepStats.of(shifted)
         return self.session.owned(shifted)
 
     def step(self, x: np.ndarray) -> np.ndarray:
         """Evaluate K candidate prompts on the batch, update CMA-ES, return the best
-        candidate's (activation-shifted) logits [B, K]."""
+        candidate's (activation-shifted) logits [B, K]; frozen: :meth:`predict`."""
+        if self.frozen:
+            return self.predict(x)
         x = self.session.check_input(x)
         batch = x.shape[0]
         candidates = [np.asarray(c, dtype=np.float64) for c in self.es.ask()]
@@ -194,7 +214,9 @@ class FOAModel:
                 batch_mean if self.test_mean is None else (1 - a) * self.test_mean + a * batch_mean
             )
         self.steps += 1
-        return self.session.owned(shifted.reshape(count, batch, -1)[best])
+        prediction = self.session.owned(shifted.reshape(count, batch, -1)[best])
+        self.last = StepStats.of(prediction)
+        return prediction
 
     def fitness(self, logits: np.ndarray, features: np.ndarray) -> np.ndarray:
         """FOA's fitness per candidate. logits [K, B, classes], features [K, B, F] -> [K]."""

@@ -14,6 +14,8 @@ from .engine import AdaptiveModel
 from .foa import FOAModel
 from .registry import RUNTIME_KINDS, method_names, spec_of
 
+RuntimeModel = AdaptiveModel | FOAModel  # what load_method returns; both share the stream API
+
 RUNTIME_METHODS = method_names(*RUNTIME_KINDS)
 PROMPT_METHODS = method_names(*RUNTIME_KINDS, prompt_model=True)
 
@@ -37,7 +39,7 @@ def load_method(
     threads: int | None = None,
     low_memory: bool = False,
     io_binding: bool = False,
-) -> AdaptiveModel | FOAModel:
+) -> RuntimeModel:
     """Open ``path`` with ONNX Runtime under method ``name`` (any runtime method, ``@FP``
     allowed); ``config`` overrides the method's hyper-parameters; ``low_memory`` and
     ``io_binding``: see :class:`~eva0_edge.runtime.session.AdaptableSession`."""

@@ -207,5 +207,7 @@ def test_export_cli_prompt_mode_and_info(tmp_path, capsys):
     assert "black-box prompt [R, 4, 192]" in capsys.readouterr().out
     assert main(["info", str(out)]) == 0
     assert "black box: prompt [R, 4, 192] after CLS" in capsys.readouterr().out
-    with pytest.raises(SystemExit):  # FOA keeps CMA-ES in memory: the server refuses it
-        main(["serve", "--model", str(out), "--method", "foa"])
+    # FOA keeps its CMA-ES in memory: serving it with a state directory is refused
+    assert main(["serve", "--model", str(out), "--method", "foa-dagger", "--state-dir",
+                 str(tmp_path / "state")]) == 2
+    assert "not persisted" in capsys.readouterr().err

@@ -6,7 +6,7 @@ import pytest
 
 from eva0_edge.bench.cost import COST_METHODS, check_cost_method
 from eva0_edge.bench.evaluate import BACKPROP, known_methods
-from eva0_edge.runtime.cli import ADAPT_METHOD_HELP, METHOD_HELP
+from eva0_edge.runtime.cli import RUNTIME_METHOD_HELP
 from eva0_edge.runtime.engine import METHODS
 from eva0_edge.runtime.foa import FOA_METHODS
 from eva0_edge.runtime.methods import RUNTIME_METHODS, load_method
@@ -19,10 +19,10 @@ def test_every_list_comes_from_the_table():
     assert set(METHODS) == set(engine) and set(FOA_METHODS) == set(foa)
     assert RUNTIME_METHODS == engine + foa and BACKPROP == torch
     assert known_methods() == [*RUNTIME_METHODS, *BACKPROP] == list(REGISTRY)
-    for name in engine:
-        assert name in METHOD_HELP and name in ADAPT_METHOD_HELP
-    for name in foa:
-        assert name in ADAPT_METHOD_HELP and name not in METHOD_HELP
+    for name in RUNTIME_METHODS:
+        assert name in RUNTIME_METHOD_HELP
+    for name in torch:
+        assert name not in RUNTIME_METHOD_HELP
     for name in COST_METHODS:
         check_cost_method(name)
 

@@ -474,3 +474,29 @@ def test_slow_headers_get_408_and_their_connection_closed(server):
             answer += chunk
     assert answer.startswith(b"HTTP/1.1 408"), answer
     assert server.client.is_server_live()
+
+
+def test_foa_is_served_with_its_state_refused(prompt_vit, tmp_path):
+    """`serve --method foa@4` on a prompt model: tritonclient inference, statistics, freeze;
+    its CMA-ES state is not persisted, so GET state answers 409."""
+    name = prompt_vit.onnx_path.stem
+    server = ServerProcess(tmp_path / "foa.log", "--method", "foa@4", model=prompt_vit.onnx_path)
+    try:
+        x = np.random.default_rng(0).uniform(-1, 1, (3, 3, 32, 32)).astype(np.float32)
+        for _ in range(2):
+            logits = server.client.infer(name, [tensor_input(x)]).as_numpy("logits")
+            assert logits.shape == (3, 10) and np.isfinite(logits).all()
+        status, body = http_call(server, "GET", f"/v2/models/{name}/adaptation/statistics")
+        stats = json.loads(body)
+        assert status == 200 and stats["method"] == "foa" and stats["steps"] == 2
+        assert stats["forwards_per_sample"] == 4
+        status, body = http_call(server, "GET", f"/v2/models/{name}/adaptation/state")
+        assert status == 409 and "not persisted" in json.loads(body)["error"]
+        status, body = http_call(server, "POST", f"/v2/models/{name}/adaptation/freeze",
+                                 json.dumps({"frozen": True}).encode())
+        assert status == 200 and json.loads(body)["frozen"] is True
+        server.client.infer(name, [tensor_input(x)])
+        status, body = http_call(server, "GET", f"/v2/models/{name}/adaptation/statistics")
+        assert json.loads(body)["steps"] == 2  # frozen: predicted, not searched
+    finally:
+        assert server.stop(), server.log()

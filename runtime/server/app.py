@@ -28,7 +28,6 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
@@ -36,6 +35,7 @@ from starlette.concurrency import run_in_threadpool
 from eva0_edge import __version__
 
 from ..engine import AdaptiveModel
+from ..methods import RuntimeModel
 from .context import ServeOptions, ServerContext, StepSummary, error_response, log
 from .metrics import ServerMetrics
 from .protocol import ProtocolError
@@ -47,9 +47,15 @@ from .worker import AdaptationWorker, StepRecord
 __all__ = ["ServeOptions", "create_app"]
 
 
-def create_app(model: AdaptiveModel, options: ServeOptions) -> FastAPI:
+def create_app(model: RuntimeModel, options: ServeOptions) -> FastAPI:
     """The application around ``model``; the worker starts and stops with the app's lifespan
-    (restoring the newest good snapshot from ``options.state_dir`` first)."""
+    (restoring the newest good snapshot from ``options.state_dir`` first). FOA's search state is
+    not persisted: with FOA, ``state_dir`` is refused (ValueError)."""
+    if options.state_dir and not isinstance(model, AdaptiveModel):
+        raise ValueError(
+            f"--state-dir: {model.method}'s CMA-ES search state is not persisted; serve it "
+            "without --state-dir (the EVA-0 family keeps its state)"
+        )
     metrics = ServerMetrics(options.max_batch)
     summary = StepSummary(options.summary_every_s)
     snapshots = (
@@ -57,10 +63,7 @@ def create_app(model: AdaptiveModel, options: ServeOptions) -> FastAPI:
     )
 
     def on_step(record: StepRecord) -> None:
-        metrics.record_step(
-            record, float(np.linalg.norm(model.state.theta - model.metadata.theta0)),
-            model.state,
-        )
+        metrics.record_step(record, model.health())
         summary.add(record, model)
 
     worker = AdaptationWorker(
@@ -71,10 +74,10 @@ def create_app(model: AdaptiveModel, options: ServeOptions) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if snapshots is not None:
+        if snapshots is not None and isinstance(model, AdaptiveModel):
             restored = snapshots.restore_latest(model)
             if restored:
-                log.info("resumed from %s at step %d", restored, model.state.step)
+                log.info("resumed from %s at step %d", restored, model.health().step)
         worker.start()
         ctx.ready.set()
         log.info(
@@ -87,7 +90,7 @@ def create_app(model: AdaptiveModel, options: ServeOptions) -> FastAPI:
             ctx.ready.clear()
             await run_in_threadpool(worker.stop)
             summary.emit(model)
-            log.info("stopped at step %d", model.state.step)
+            log.info("stopped at step %d", model.health().step)
 
     app = FastAPI(
         title="eva0-edge", version=__version__, lifespan=lifespan,

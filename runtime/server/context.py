@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from ..engine import AdaptiveModel
+from ..methods import RuntimeModel
 from .metrics import ServerMetrics
 from .protocol import ProtocolError
 from .snapshots import SnapshotStore
@@ -76,14 +76,14 @@ class StepSummary:
         self.since = time.monotonic()
         self.steps = self.rows = self.requests = 0
 
-    def add(self, record: StepRecord, model: AdaptiveModel) -> None:
+    def add(self, record: StepRecord, model: RuntimeModel) -> None:
         self.steps += 1
         self.rows += record.rows
         self.requests += record.requests
         if time.monotonic() - self.since >= self.every_s:
             self.emit(model)
 
-    def emit(self, model: AdaptiveModel) -> None:
+    def emit(self, model: RuntimeModel) -> None:
         seconds = time.monotonic() - self.since
         stats = model.stats()
         if self.steps:
@@ -137,7 +137,7 @@ def admin_check(request: Request, options: ServeOptions) -> None:
 class ServerContext:
     """The served model and what the routes need around it (the worker owns the state)."""
 
-    model: AdaptiveModel
+    model: RuntimeModel
     options: ServeOptions
     worker: AdaptationWorker
     metrics: ServerMetrics

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ..monitoring import Health
 from .worker import StepRecord
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -58,18 +59,18 @@ class ServerMetrics:
             registry=self.registry,
         )
 
-    def record_step(self, record: StepRecord, drift: float, state) -> None:
-        """One step: its record, the drift, and the counters of the AdaptState ``state``."""
-        self.guard_trips.set(state.guard_trips)
-        self.clipped.set(state.clipped_coefs)
-        self.adapting.set(0 if state.frozen or state.pause_left else 1)
+    def record_step(self, record: StepRecord, health: Health) -> None:
+        """One step: its record and the model's health counters after it."""
+        self.guard_trips.set(health.guard_trips)
+        self.clipped.set(health.clipped_coefficients)
+        self.adapting.set(1 if health.adapting else 0)
         self.steps.inc()
         if record.skipped:
             self.skipped.inc()
         self.batch_rows.observe(record.rows)
         self.batch_requests.observe(record.requests)
         self.step_seconds.observe(record.seconds)
-        self.drift.set(drift)
+        self.drift.set(health.drift)
 
     def exposition(self) -> bytes:
         """The text exposition format."""

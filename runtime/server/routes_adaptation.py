@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from ..engine import AdaptiveModel
+from ..methods import RuntimeModel
 from ..state import StateError
 from .context import ServerContext, admin_check, error_response, finite_stats
 from .protocol import ProtocolError
@@ -17,7 +18,7 @@ def adaptation_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter(prefix="/v2/models/{name}/adaptation")
     worker, options = ctx.worker, ctx.options
 
-    def answer(m: AdaptiveModel) -> dict:
+    def answer(m: RuntimeModel) -> dict:
         """The statistics after an admin change, and whether its snapshot was written."""
         return {**finite_stats(m.stats()), "snapshot_written": worker.snapshot_now()}
 
@@ -33,7 +34,7 @@ def adaptation_router(ctx: ServerContext) -> APIRouter:
         ctx.check_name(name)
         admin_check(request, options)
 
-        def do_reset(m: AdaptiveModel) -> dict:
+        def do_reset(m: RuntimeModel) -> dict:
             m.reset()
             return answer(m)
 
@@ -51,15 +52,25 @@ def adaptation_router(ctx: ServerContext) -> APIRouter:
         if not isinstance(frozen, bool):
             raise ProtocolError('freeze needs a JSON body {"frozen": true} or {"frozen": false}')
 
-        def do_freeze(m: AdaptiveModel) -> dict:
+        def do_freeze(m: RuntimeModel) -> dict:
             m.freeze(frozen)
             return answer(m)
 
         return await ctx.on_worker(do_freeze)
 
+    def stateful_model() -> AdaptiveModel:
+        """The served model when it keeps a state (the EVA-0 family); 409 for FOA."""
+        if not isinstance(ctx.model, AdaptiveModel):
+            raise ProtocolError(
+                f"{ctx.model.method}'s CMA-ES search state is not persisted: no state to get "
+                "or put", 409,
+            )
+        return ctx.model
+
     @router.get("/state")
     async def get_state(name: str) -> Response:
         ctx.check_name(name)
+        stateful_model()
         data = await ctx.on_worker(lambda m: m.state_bytes())
         return Response(data, media_type="application/octet-stream")
 
@@ -67,9 +78,10 @@ def adaptation_router(ctx: ServerContext) -> APIRouter:
     async def put_state(name: str, request: Request) -> Response:
         ctx.check_name(name)
         admin_check(request, options)
+        model = stateful_model()
         body = await ctx.read_body(request)
         try:  # decoded and validated off the worker thread: inference goes on meanwhile
-            state = await run_in_threadpool(ctx.model.parse_state_bytes, body)
+            state = await run_in_threadpool(model.parse_state_bytes, body)
         except StateError as err:
             return error_response(f"state refused: {err}", 400)
 

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..engine import AdaptiveModel
+from ..methods import RuntimeModel
 from .snapshots import SnapshotStore
 
 log = logging.getLogger("eva0_edge.serve")
@@ -42,7 +43,7 @@ class _Job:
 
 @dataclass
 class _Control:
-    operation: Callable[[AdaptiveModel], Any]
+    operation: Callable[[Any], Any]
     future: Future
 
 
@@ -65,7 +66,7 @@ class AdaptationWorker:
 
     def __init__(
         self,
-        model: AdaptiveModel,
+        model: RuntimeModel,
         max_batch: int,
         max_delay_s: float,
         snapshots: SnapshotStore | None = None,
@@ -123,7 +124,7 @@ class AdaptationWorker:
         self._queue.put(_Job(x, future))
         return future
 
-    def call(self, operation: Callable[[AdaptiveModel], Any]) -> Future:
+    def call(self, operation: Callable[[Any], Any]) -> Future:
         """Run ``operation(model)`` on the worker thread, between steps."""
         future: Future = Future()
         self._queue.put(_Control(operation, future))
@@ -132,7 +133,7 @@ class AdaptationWorker:
     def snapshot_now(self) -> bool | None:
         """Write a snapshot (worker thread only; a failure is logged, serving goes on).
         True when written, False when writing failed, None without a state directory."""
-        if self.snapshots is None:
+        if self.snapshots is None or not isinstance(self.model, AdaptiveModel):
             return None
         self._steps_since_snapshot = 0
         try:
@@ -140,7 +141,7 @@ class AdaptationWorker:
         except OSError as err:
             log.error("snapshot failed, will retry at the next interval: %s", err)
             return False
-        log.debug("snapshot %s at step %d", path.name, self.model.state.step)
+        log.debug("snapshot %s at step %d", path.name, self.model.health().step)
         return True
 
     # ------------------------------------------------------------------ thread
