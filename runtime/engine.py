@@ -110,20 +110,12 @@ class AdaptiveModel:
 
     @classmethod
     def load(
-        cls,
-        path: str | os.PathLike,
-        method: str = "eva0",
-        config: dict[str, Any] | None = None,
-        seed: int = 0,
-        provider: str = "auto",
-        threads: int | None = None,
-        low_memory: bool = False,
-        io_binding: bool = False,
+        cls, path: str | os.PathLike, method: str = "eva0",
+        config: dict[str, Any] | None = None, seed: int = 0, **session: Any,
     ) -> AdaptiveModel:
-        """Open an adaptable ``.onnx`` file with ONNX Runtime (``low_memory``, ``io_binding``:
-        see :class:`AdaptableSession`)."""
-        session = AdaptableSession(path, None, provider, threads, low_memory, io_binding)
-        return cls(session, method, config, seed)
+        """Open an adaptable ``.onnx`` file with ONNX Runtime; ``session``: the options of
+        :class:`AdaptableSession` (``provider``, ``threads``, ``low_memory``, ``io_binding``)."""
+        return cls(AdaptableSession(path, None, **session), method, config, seed)
 
     @property
     def method(self) -> str:

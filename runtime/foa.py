@@ -106,20 +106,12 @@ class FOAModel:
 
     @classmethod
     def load(
-        cls,
-        path: str | os.PathLike,
-        method: str = "foa",
-        config: dict[str, Any] | None = None,
-        seed: int = 0,
-        provider: str = "auto",
-        threads: int | None = None,
-        low_memory: bool = False,
-        io_binding: bool = False,
+        cls, path: str | os.PathLike, method: str = "foa",
+        config: dict[str, Any] | None = None, seed: int = 0, **session: Any,
     ) -> FOAModel:
-        """Open a prompt model with ONNX Runtime (``low_memory``: one ORT call per candidate;
-        ``io_binding``: see :class:`AdaptableSession`)."""
-        session = AdaptableSession(path, None, provider, threads, low_memory, io_binding)
-        return cls(session, method, config, seed)
+        """Open a prompt model with ONNX Runtime; ``session``: the options of
+        :class:`AdaptableSession` (``low_memory``: one ORT call per candidate)."""
+        return cls(AdaptableSession(path, None, **session), method, config, seed)
 
     @property
     def method(self) -> str:

@@ -44,4 +44,5 @@ def load_method(
     allowed); ``config`` overrides the method's hyper-parameters; ``low_memory`` and
     ``io_binding``: see :class:`~eva0_edge.runtime.session.AdaptableSession`."""
     model_cls = FOAModel if spec_of(name, *RUNTIME_KINDS).kind == "foa" else AdaptiveModel
-    return model_cls.load(path, name, config, seed, provider, threads, low_memory, io_binding)
+    return model_cls.load(path, name, config, seed, provider=provider, threads=threads,
+                          low_memory=low_memory, io_binding=io_binding)
