@@ -26,20 +26,29 @@ class ServerProcess:
     """``eva0-edge serve`` in a subprocess; ``client`` is a tritonclient HTTP client."""
 
     def __init__(self, log_path: Path, *args: str, model: Path = MODEL) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        for attempt in range(3):  # the free port may be taken before the server binds it
+            self._start(model, args)
+            try:
+                self._wait_ready()
+                return
+            except RuntimeError:
+                if attempt == 2 or "address already in use" not in self.log():
+                    raise
+
+    def _start(self, model: Path, args: tuple[str, ...]) -> None:
         self.port = free_port()
         self.url = f"127.0.0.1:{self.port}"
-        self.log_path = log_path
         command = [
             sys.executable, "-m", "eva0_edge.cli", "-v", "serve", "--model", str(model),
             "--port", str(self.port), "--threads", "1", *args,
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self._log = open(log_path, "ab")
         self.process = subprocess.Popen(
             command, stdout=self._log, stderr=subprocess.STDOUT, env=env
         )
         self.client = httpclient.InferenceServerClient(self.url, concurrency=16)
-        self._wait_ready()
 
     def _wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
