@@ -86,12 +86,12 @@ def run_protocol(
     method = make_method()
     result = StreamResult(name, {}, batch_size)
     passes = SOAK_PASSES if protocol == "soak" else 1
-    domains = [(d, p) for p in range(1, passes + 1) for d in domains]
-    total = sum(-(-len(d) // batch_size) for d, _ in domains)
+    schedule = [(d, p) for p in range(1, passes + 1) for d in domains]
+    total = sum(-(-len(d) // batch_size) for d, _ in schedule)
     bar = tqdm(
         total=total, desc=f"{name} [{protocol}]", disable=None if progress else True, leave=False
     )
-    for i, (domain, pass_index) in enumerate(domains):
+    for i, (domain, pass_index) in enumerate(schedule):
         if i > 0 and protocol in ("single", "imbalanced"):
             method.reset()
         correct = seen = 0
