@@ -70,6 +70,16 @@ def stream_order(domain: Domain, protocol: str, seed: int) -> np.ndarray:
     return order
 
 
+def drift_of(method) -> float:
+    """The method's ||theta - theta0|| now: from its health counters (runtime methods), its
+    statistics (torch baselines), or NaN."""
+    health = getattr(method, "health", None)
+    if health is not None:
+        return float(health().drift)
+    stats = getattr(method, "stats", None)
+    return float(stats()["drift"]) if stats else float("nan")
+
+
 def run_protocol(
     name: str,
     make_method: Callable[[], StreamMethod],
@@ -104,8 +114,7 @@ def run_protocol(
             result.batch_size.append(len(y))
             result.batch_domain.append(domain.name)
             result.logit_norm.append(float(np.linalg.norm(logits, axis=1).mean()))
-            stats = getattr(method, "stats", None)
-            result.drift.append(float(stats()["drift"]) if stats else float("nan"))
+            result.drift.append(drift_of(method))
             bar.update(1)
             seen += len(y)
             bar.set_postfix(domain=domain.name, acc=f"{100.0 * correct / seen:.1f}")
