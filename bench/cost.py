@@ -43,8 +43,7 @@ from .output import write_outputs as write_bench_outputs
 from .workload import export_random, random_batch
 
 SESSION_MODES = {"-lowmem": "low_memory", "-iob": "io_binding"}
-COST_METHODS = (*RUNTIME_METHODS, *(f"{m}{suffix}" for m in RUNTIME_METHODS[:2]
-                                     for suffix in SESSION_MODES), "tent")
+COST_METHODS = (*RUNTIME_METHODS, *(f"eva0{suffix}" for suffix in SESSION_MODES), "tent")
 PROMPT_TOKENS = 3
 
 

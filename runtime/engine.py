@@ -307,7 +307,6 @@ class AdaptiveModel:
         est = self.estimator.estimate(
             x, self.state, self.seed, self.state.step, n_anchor, control=True
         )
-        self.session.counter.samples += x.shape[0]
         self._record(est.prediction)
         self.last.anchor_rows = n_anchor
         self.state.step += 1
@@ -348,9 +347,7 @@ class AdaptiveModel:
         rows."""
         x = self.session.check_input(x)
         index = self.state.step if step_index is None else int(step_index)
-        est = self.estimator.estimate(x, self.state, self.seed, index, 0, control=False)
-        self.session.counter.samples += x.shape[0]
-        return est
+        return self.estimator.estimate(x, self.state, self.seed, index, 0, control=False)
 
     # ----------------------------------------------------------------- internals
     def _record(self, prediction: np.ndarray) -> None:

@@ -88,7 +88,8 @@ class ZerothOrderEstimator:
     ) -> GradientEstimate:
         """The estimate on the checked batch ``x`` [B, C, H, W] at ``state.theta``, from the
         perturbation stream (``seed``, ``step_index``), with ``n_anchor`` anchor-guided rows;
-        ``control``: clip the coefficients at their running scale (``state`` is only read)."""
+        ``control``: clip the coefficients at their running scale (``state`` is only read; the
+        session's forward counter counts the batch)."""
         cfg, st = self.config, state
         batch = x.shape[0]
         d_bar = (
@@ -102,6 +103,7 @@ class ZerothOrderEstimator:
         )
         rows, z_all = self._perturbed_rows(plan, st.theta, batch, pairs)
         logits, features = self.session.run(x, rows)
+        self.session.counter.samples += batch
         half = pairs * batch  # rows j * B + i: pair j, sample i (each half copy-major)
         lower, upper = slice(0, half), slice(half, 2 * half)
         if cfg.two_sided:  # rows theta + mu z (lower half), theta - mu z (upper half)
