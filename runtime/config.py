@@ -46,7 +46,10 @@ class AdaptConfig:
     samples, checked from ``guard_warmup`` samples on, against the ``guard_*_min`` /
     ``guard_*_max`` bounds (None = unchecked; entropy and spread are fractions of ln K); a
     healthy checkpoint every ``guard_checkpoint`` samples; after a trip, adaptation pauses for
-    ``guard_pause`` samples.
+    ``guard_pause`` samples; every ``guard_audit`` adapted samples (None = never) an audit of
+    ``guard_warmup`` samples duels the current theta against theta0, which wins when the
+    current theta's feature distance to the source is over ``guard_audit_margin`` times its
+    own.
     """
 
     mu: float = 0.06
@@ -75,6 +78,8 @@ class AdaptConfig:
     guard_warmup: int = 64
     guard_checkpoint: int = 256
     guard_pause: int = 256
+    guard_audit: int | None = None
+    guard_audit_margin: float = 2.0
     guard_entropy_min: float | None = 0.02
     guard_entropy_max: float | None = 0.98
     guard_spread_min: float | None = 0.05

@@ -169,7 +169,8 @@ class AdaptiveModel:
         bounds = GuardBounds(**{
             name: getattr(cfg, f"guard_{name}") for name in GuardBounds.__dataclass_fields__
         })
-        return HealthGuard(bounds, cfg.guard_window, cfg.guard_warmup, cfg.guard_checkpoint)
+        return HealthGuard(bounds, cfg.guard_window, cfg.guard_warmup, cfg.guard_checkpoint,
+                           self._source_stats, cfg.guard_audit_margin)
 
     def freeze(self, frozen: bool = True) -> None:
         """Predict with the current theta and stop adapting (``frozen``), or resume."""
@@ -265,6 +266,8 @@ class AdaptiveModel:
             "guard": None if self.guard is None else {
                 "trips": self.state.guard_trips,
                 "last_reason": self.guard.last_reason,
+                "pause_verdicts": dict(self.guard.verdicts),
+                "audits": self.guard.audits,
                 "signals": self.guard.values(drift, self._alignment()),
                 "bounds": asdict(self.guard.bounds),
             },
@@ -273,8 +276,13 @@ class AdaptiveModel:
     def health(self) -> Health:
         """The counters a server exports (see :class:`~.monitoring.Health`)."""
         st = self.state
-        return Health(st.step, self._drift(), st.guard_trips, st.clipped_coefs,
-                      self.spec.adapts and not (st.frozen or st.pause_left > 0))
+        guard = self.guard
+        return Health(
+            st.step, self._drift(), st.guard_trips, st.clipped_coefs,
+            self.spec.adapts and not (st.frozen or st.pause_left > 0),
+            guard.audits if guard else 0,
+            guard.verdicts["theta0"] + guard.verdicts["hold"] if guard else 0,
+        )
 
     def _drift(self) -> float:
         return float(np.linalg.norm(self.state.theta - self.metadata.theta0))
@@ -298,6 +306,8 @@ class AdaptiveModel:
         """Predict and (for adapting methods) adapt on the batch; returns logits [B, K]."""
         if not self.spec.adapts:
             return self.predict(x)
+        if self.state.pause_left > 0 and not self.state.frozen and self.guard is not None:
+            return self._paused_step(self.guard, x)
         if self.state.frozen or self.state.pause_left > 0:
             logits = self.predict(x)
             self.state.pause_left = max(0, self.state.pause_left - logits.shape[0])
@@ -316,6 +326,8 @@ class AdaptiveModel:
             return self._skip(est.prediction, "non-finite theta")
         if self.guard is not None:
             self._watch(self.guard, est.prediction)
+            if self.state.pause_left == 0 and self.guard.start_audit(self.config.guard_audit):
+                self.state.pause_left = self.guard.warmup
         return est.prediction
 
     def _watch(self, guard: HealthGuard, prediction: np.ndarray) -> None:
@@ -339,6 +351,47 @@ class AdaptiveModel:
             "%d samples", st.step, reason, "theta0" if to_source else "the last healthy theta",
             st.pause_left,
         )
+
+    def _paused_step(self, guard: HealthGuard, x: np.ndarray) -> np.ndarray:
+        """One batch of the guard's pause: the candidate theta and theta0 in one ORT call (one
+        forward per sample when the candidate is theta0), theta0's logits [B, K] served; at
+        the end of the pause, the guard's verdict picks where adaptation resumes."""
+        x = self.session.check_input(x)
+        st, batch = self.state, x.shape[0]
+        theta0 = self.metadata.theta0.astype(np.float32)
+        dueled = not np.array_equal(st.theta, theta0)
+        sides = np.stack([st.theta, theta0]) if dueled else st.theta[None]
+        logits, features = self.session.run(x, np.repeat(sides, batch, axis=0))
+        self.session.counter.samples += batch
+        guard.observe_pause(logits, features, dueled)
+        served = logits[batch:] if dueled and not guard.auditing else logits[:batch]
+        self._record(served)
+        st.pause_left = max(0, st.pause_left - batch)
+        if st.pause_left == 0:
+            self._end_pause(guard, dueled)
+        return self.session.owned(served)
+
+    def _end_pause(self, guard: HealthGuard, dueled: bool) -> None:
+        st, cfg = self.state, self.config
+        what = "audit" if guard.auditing else "pause"
+        verdict = guard.pause_verdict(dueled, min(guard.warmup, cfg.guard_pause))
+        if verdict != "checkpoint" and dueled:
+            st.theta = self.metadata.theta0.astype(np.float32).copy()
+            st.healthy_theta = st.theta.copy()
+            st.velocity = np.zeros_like(st.velocity)
+            st.stat_weight = 0.0
+        if verdict == "hold":
+            st.pause_left = cfg.guard_pause
+        quiet = (verdict == "hold" and not dueled) or (what, verdict) == ("audit", "checkpoint")
+        log.log(logging.INFO if quiet else logging.WARNING,
+                "health guard: after the %s at step %d (alignment %s vs theta0's %s), %s",
+                what, st.step, *(f"{d:.4g}" if d is not None else "-" for d in guard.last_duel), {
+            "checkpoint": "adaptation goes on from the duelled theta (in bounds, and not "
+                          f"over {cfg.guard_audit_margin}x theta0's distance to the source)",
+            "theta0": "adaptation resumes from theta0",
+            "hold": "theta0's own signals are out of bounds too: holding at theta0 for "
+                    f"{cfg.guard_pause} more samples",
+        }[verdict])
 
     def estimate(self, x: np.ndarray, step_index: int | None = None) -> GradientEstimate:
         """The method's zeroth-order gradient estimate on ``x`` at the current theta, from the

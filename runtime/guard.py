@@ -17,10 +17,31 @@ A signal is checked once ``guard_warmup`` samples are in (the window's mean is b
 so a part-filled window is the mean of the samples seen). On a trip the engine rolls
 theta back to the last healthy checkpoint (taken every ``guard_checkpoint`` healthy samples), or
 to theta0 when the first check after the previous rollback trips again (that checkpoint is
-unhealthy too), resets the online statistics, and pauses adaptation (predictions only) for
-``guard_pause`` samples (the engine keeps that count in the state). Bounds come from the model
-file's recommended values (learnt on the validation split by ``models/guard_bounds.py``) or the
-generic defaults of ``AdaptConfig.guard_*``.
+unhealthy too), resets the online statistics, and pauses adaptation for ``guard_pause``
+samples (the engine keeps that count in the state).
+
+The pause is a duel, at the two forwards per sample an adaptation step costs: each batch runs
+at the checkpoint and at theta0 in one call, theta0's predictions are served, and each side's
+prediction signals (entropy, spread, logit norm) and feature moments (the alignment) fill their
+own windows. At the end of the pause (:meth:`HealthGuard.pause_verdict`) adaptation resumes
+from the checkpoint if its signals are in bounds (and it passes the audit's test below), else
+from theta0 if theta0's are, else it holds at theta0 for another
+pause: a stream on which even the source model's own signals are out of bounds (black
+frames, a corruption that collapses the source to one class) carries nothing the guard can
+vouch for, so the device serves the source model until the signals come back. A pause at
+theta0 (after a second trip) has no duel: one forward per sample.
+
+Absolute bounds cannot see a theta that is healthy by every signal but wrong for the stream it
+now meets (a continual stream leaves a theta adapted to one corruption in front of the next).
+An audit every ``guard_audit`` adapted samples is the same duel, serving the current theta:
+the current theta is kept only if it is in bounds and its features are at most ``margin``
+(``guard_audit_margin``) times as far from the source statistics as theta0's on the same
+images (the alignment term EVA-0 itself minimises); otherwise theta0 wins. An audit lasts
+``guard_warmup`` samples. Trip pauses apply the same test to the checkpoint.
+
+Bounds come from the model file's recommended values (learnt on the validation split by
+``models/guard_bounds.py``; the audit interval by ``models/guard_audit.py``) or the generic
+defaults of ``AdaptConfig.guard_*``.
 """
 
 from __future__ import annotations
@@ -33,6 +54,7 @@ from .losses import softmax_entropy
 from .rates import window_factor, windowed_update
 
 SIGNALS = ("entropy", "spread", "logit_norm", "drift", "alignment")
+VERDICTS = ("checkpoint", "theta0", "hold")
 
 
 @dataclass(frozen=True)
@@ -93,6 +115,31 @@ class SignalWindows:
         return float(-(p * np.log(p)).sum() / np.log(p.size))
 
 
+@dataclass
+class FeatureWindow:
+    """Windowed mean and second moment [F] of the features of one side of a pause."""
+
+    factor: float
+    moments: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    weight: float = 0.0
+
+    def add(self, features: np.ndarray) -> None:
+        """Add the features [B, F] of a batch (stream order)."""
+        h = features.astype(np.float64)
+        if self.moments.size != 2 * h.shape[1]:
+            self.moments = np.zeros(2 * h.shape[1])
+        self.moments, self.weight = windowed_update(
+            self.moments, self.weight, np.hstack([h, h * h]), self.factor
+        )
+
+    def distance(self, source_stats: tuple[np.ndarray, np.ndarray]) -> float | None:
+        """The l_SWA distance of the window's moments to the source (None when empty)."""
+        if not self.weight:
+            return None
+        mean, second = np.split(self.moments, 2)
+        return alignment_distance(mean, second, *source_stats)
+
+
 class HealthGuard:
     """Keeps the signal windows, the last healthy checkpoint and the trip counts of one model.
 
@@ -100,19 +147,91 @@ class HealthGuard:
     """
 
     def __init__(
-        self, bounds: GuardBounds, window: float, warmup: int, checkpoint_every: int
+        self, bounds: GuardBounds, window: float, warmup: int, checkpoint_every: int,
+        source_stats: tuple[np.ndarray, np.ndarray] | None = None, margin: float = 2.0,
     ) -> None:
         self.bounds = bounds
+        self.margin = margin
+        self.source_stats = source_stats
         self.window = window
         self.warmup = warmup
         self.checkpoint_every = checkpoint_every
-        self.windows = SignalWindows(window_factor(window))
+        self.restart_windows()
         self.since_checkpoint = 0
         self.since_rollback: int | None = None
         self.last_reason: str | None = None
+        self.verdicts = dict.fromkeys(VERDICTS, 0)
+        self.auditing = False
+        self.audits = 0
+        self.last_duel: tuple[float | None, float | None] = (None, None)
+        self.since_audit = 0
 
     def restart_windows(self) -> None:
-        self.windows = SignalWindows(window_factor(self.window))
+        factor = window_factor(self.window)
+        self.windows = SignalWindows(factor)
+        self.source_windows = SignalWindows(factor)
+        self.features = FeatureWindow(factor)
+        self.source_features = FeatureWindow(factor)
+
+    def start_audit(self, every: int | None) -> bool:
+        """True (and the audit begun) when ``every`` adapted samples have passed since the
+        last audit."""
+        if every is None or self.since_audit < every:
+            return False
+        self.since_audit = 0
+        self.audits += 1
+        self.auditing = True
+        self.restart_windows()
+        return True
+
+    def observe_pause(
+        self, logits: np.ndarray, features: np.ndarray, dueled: bool
+    ) -> None:
+        """Add one paused batch: logits [rB, K] and features [rB, F], the candidate theta's
+        rows (the checkpoint the trip rolled back to) first, then theta0's when ``dueled``
+        (r = 2; r = 1 when the candidate is theta0)."""
+        batch = logits.shape[0] // (2 if dueled else 1)
+        self.windows.add(logits[:batch])
+        self.features.add(features[:batch])
+        if dueled:
+            self.source_windows.add(logits[batch:])
+            self.source_features.add(features[batch:])
+
+    def pause_verdict(self, dueled: bool, needed: int) -> str:
+        """Where adaptation resumes after a pause: ``checkpoint`` (keep the candidate),
+        ``theta0``, or ``hold`` (theta0 without adapting for another pause). A side needs
+        ``needed`` samples in its window and every signal in bounds; the candidate must also
+        have its features at most ``margin`` times as far from the source statistics as
+        theta0's. The windows restart for what follows."""
+        def healthy(windows: SignalWindows, features: FeatureWindow) -> bool:
+            if windows.samples < needed:
+                return False
+            alignment = None if self.source_stats is None else features.distance(
+                self.source_stats)
+            values = {"entropy": windows.entropy, "spread": windows.spread(),
+                      "logit_norm": windows.logit_norm, "alignment": alignment}
+            return self.bounds.violation(values) is None
+
+        def closer_to_source() -> bool:
+            if self.source_stats is None:
+                return True
+            mine = self.features.distance(self.source_stats)
+            theirs = self.source_features.distance(self.source_stats)
+            self.last_duel = (mine, theirs)
+            return mine is not None and theirs is not None and mine <= self.margin * theirs
+
+        self.last_duel = (None, None)
+        if dueled and healthy(self.windows, self.features) and closer_to_source():
+            verdict = "checkpoint"
+        elif dueled:
+            verdict = "theta0" if healthy(self.source_windows, self.source_features) else "hold"
+        else:
+            verdict = "theta0" if healthy(self.windows, self.features) else "hold"
+        self.verdicts[verdict] += 1
+        self.auditing = False
+        self.since_audit = 0
+        self.restart_windows()
+        return verdict
 
     def observe(
         self, logits: np.ndarray, drift: float, alignment: float | None
@@ -121,6 +240,7 @@ class HealthGuard:
         reason of a trip or None, whether a healthy checkpoint is due now)."""
         self.windows.add(logits)
         batch = logits.shape[0]
+        self.since_audit += batch
         if self.since_rollback is not None:
             self.since_rollback += batch
         if self.windows.samples < self.warmup:

@@ -33,11 +33,14 @@ class StepStats:
 @dataclass(frozen=True)
 class Health:
     """Counters of an adapter: steps taken, drift ||theta - theta0|| (the prompt's for FOA),
-    health-guard trips, clipped coefficients, and whether it adapts now (not frozen, not paused
-    by the guard)."""
+    health-guard trips, clipped coefficients, whether it adapts now (not frozen, not paused
+    by the guard), the guard's audits and the duels theta0 won (audits and pauses that handed
+    adaptation back to theta0 or held it there)."""
 
     step: int
     drift: float
     guard_trips: int
     clipped_coefficients: int
     adapting: bool
+    guard_audits: int = 0
+    guard_theta0_verdicts: int = 0

@@ -130,3 +130,102 @@ def test_frozen_predicts_without_adapting_and_persists(clean, tmp_path):
     other.freeze(False)
     other.step(x[32:48])
     assert not np.array_equal(other.state.theta, theta)
+
+
+def _trip_on_drift(model: AdaptiveModel, x: np.ndarray) -> None:
+    """One step at eta x 1000: theta jumps past the drift bound and the guard trips."""
+    eta = model.config.eta
+    model.config = model.config.updated({"eta": eta * 1000})
+    trips = model.state.guard_trips
+    model.step(x)
+    model.config = model.config.updated({"eta": eta})
+    assert model.state.guard_trips == trips + 1
+
+
+def test_the_pause_duels_the_checkpoint_against_theta0_and_keeps_a_healthy_one(clean):
+    """During the pause each batch runs at the checkpoint and at theta0 (two forwards per
+    sample), theta0's logits are served; on clean images the checkpoint is healthy and
+    adaptation resumes from it."""
+    x, _ = clean
+    model = AdaptiveModel.load(RESNET, "eva0", {"guard_drift_max": 5.0}, threads=1)
+    source = AdaptiveModel.load(RESNET, "noadapt", threads=1)
+    for i in range(0, 640, 16):
+        model.step(x[i : i + 16])
+    _trip_on_drift(model, x[640:656])
+    saved = model.state.healthy_theta.copy()
+    forwards = model.stats()["forwards"]
+    for i in range(656, 656 + model.config.guard_pause, 16):
+        np.testing.assert_allclose(model.step(x[i : i + 16]), source.predict(x[i : i + 16]),
+                                   atol=1e-5)
+    assert model.stats()["forwards"] - forwards == 2 * model.config.guard_pause
+    assert model.stats()["guard"]["pause_verdicts"] == {"checkpoint": 1, "theta0": 0, "hold": 0}
+    np.testing.assert_array_equal(model.state.theta, saved)
+    model.step(x[1000:1016])
+    assert not np.array_equal(model.state.theta, saved)  # adapting again
+
+
+def test_a_broken_checkpoint_loses_the_duel_to_theta0(clean):
+    x, _ = clean
+    model = AdaptiveModel.load(RESNET, "eva0", {"guard_drift_max": 5.0}, threads=1)
+    for i in range(0, 320, 16):
+        model.step(x[i : i + 16])
+    theta0 = read_metadata(RESNET).theta0
+    noise = np.random.default_rng(0).normal(0, 3.0, theta0.shape).astype(np.float32)
+    model.state.healthy_theta = theta0 + noise  # a checkpoint that turned the model to noise
+    _trip_on_drift(model, x[320:336])
+    for i in range(336, 336 + model.config.guard_pause, 16):
+        model.step(x[i : i + 16])
+    assert model.stats()["guard"]["pause_verdicts"]["theta0"] == 1
+    np.testing.assert_array_equal(model.state.theta, theta0)
+
+
+def test_a_stream_that_breaks_the_source_too_holds_at_theta0_until_it_ends(clean):
+    """Black frames: theta0's own spread is out of bounds, so the guard serves theta0 without
+    adapting (one forward per sample) for as long as they last, then adapts again."""
+    x, _ = clean
+    model = AdaptiveModel.load(RESNET, "eva0", threads=1)
+    black = np.repeat(x[:1] * 0 + x.min(), 16, axis=0)
+    for _ in range(64):
+        model.step(black)
+    verdicts = model.stats()["guard"]["pause_verdicts"]
+    assert model.state.guard_trips == 1 and verdicts["hold"] >= 2
+    np.testing.assert_array_equal(model.state.theta, read_metadata(RESNET).theta0)
+    forwards = model.stats()["forwards"]
+    model.step(black)
+    assert model.stats()["forwards"] - forwards == 16
+    for i in range(0, 1024, 16):
+        model.step(x[i : i + 16])
+    assert model.stats()["guard"]["pause_verdicts"]["theta0"] == 1
+    assert model.state.guard_trips == 1 and model.stats()["drift"] > 0
+
+
+def test_an_audit_serves_the_current_theta_and_keeps_it_on_the_stream_it_learnt(clean):
+    x, _ = clean
+    model = AdaptiveModel.load(RESNET, "eva0", {"guard_audit": 512}, threads=1)
+    for i in range(0, 512, 16):
+        model.step(x[i : i + 16])
+    assert model.stats()["guard"]["audits"] == 1 and model.stats()["paused_samples_left"] > 0
+    theta = model.state.theta.copy()
+    current = AdaptiveModel.load(RESNET, "eva0", threads=1)
+    current.state.theta = theta.copy()
+    forwards = model.stats()["forwards"]
+    for i in range(512, 512 + model.config.guard_warmup, 16):
+        np.testing.assert_allclose(model.step(x[i : i + 16]), current.predict(x[i : i + 16]),
+                                   atol=1e-5)
+    assert model.stats()["forwards"] - forwards == 2 * model.config.guard_warmup
+    assert model.stats()["guard"]["pause_verdicts"]["checkpoint"] == 1
+    np.testing.assert_array_equal(model.state.theta, theta)
+
+
+def test_an_audit_hands_a_theta_far_from_the_source_back_to_theta0(clean):
+    """A theta that moved the features of this stream far from the source statistics (more
+    than ``guard_audit_margin`` x theta0's distance) loses the audit even with no bound set."""
+    x, _ = clean
+    model = _watching({"guard_audit": 64})
+    theta0 = read_metadata(RESNET).theta0
+    model.state.theta = theta0 + np.random.default_rng(1).normal(0, 0.5, theta0.shape).astype(
+        np.float32)
+    for i in range(0, 256, 16):
+        model.step(x[i : i + 16])
+    assert model.stats()["guard"]["pause_verdicts"]["theta0"] >= 1
+    assert model.stats()["guard"]["trips"] == 0

@@ -421,7 +421,8 @@ def test_metrics_are_exposed(server, pixels):
     text = body.decode()
     assert status == 200
     for name in ("eva0_requests_total", "eva0_request_latency_seconds_bucket",
-                 "eva0_batch_rows_bucket", "eva0_adaptation_steps_total", "eva0_theta_drift"):
+                 "eva0_batch_rows_bucket", "eva0_adaptation_steps_total", "eva0_theta_drift",
+                 "eva0_guard_trips", "eva0_guard_audits", "eva0_guard_theta0_verdicts"):
         assert name in text
     assert re.search(r'eva0_requests_total\{status="400"\} [1-9]', text)
 

@@ -50,6 +50,15 @@ class ServerMetrics:
             "eva0_guard_trips", "Health-guard trips (rollbacks) since the state began",
             registry=self.registry,
         )
+        self.guard_audits = Gauge(
+            "eva0_guard_audits", "Health-guard audits of theta against theta0 since the start",
+            registry=self.registry,
+        )
+        self.guard_theta0_verdicts = Gauge(
+            "eva0_guard_theta0_verdicts",
+            "Guard duels (audits, pauses) that handed adaptation back to theta0 or held it there",
+            registry=self.registry,
+        )
         self.clipped = Gauge(
             "eva0_clipped_coefficients", "SPSA coefficients clipped since the state began",
             registry=self.registry,
@@ -62,6 +71,8 @@ class ServerMetrics:
     def record_step(self, record: StepRecord, health: Health) -> None:
         """One step: its record and the model's health counters after it."""
         self.guard_trips.set(health.guard_trips)
+        self.guard_audits.set(health.guard_audits)
+        self.guard_theta0_verdicts.set(health.guard_theta0_verdicts)
         self.clipped.set(health.clipped_coefficients)
         self.adapting.set(1 if health.adapting else 0)
         self.steps.inc()
