@@ -30,6 +30,8 @@ def _cmd_eval(args: argparse.Namespace) -> None:
         torch_checkpoint=args.torch_checkpoint,
         provider=args.provider,
         io_binding=args.io_binding,
+        split_sessions=args.split_sessions,
+        memory_budget_mb=args.memory_budget_mb,
         threads=args.threads,
         prompt_model=args.prompt_model,
     )
@@ -46,9 +48,9 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     try:
-        from eva0_edge.bench.cache import cache_dir
         from eva0_edge.bench.cost import bench_prompt_model, markdown, run_bench, write_outputs
         from eva0_edge.bench.workload import export_random
+        from eva0_edge.runtime.cache import cache_dir
     except ImportError as err:
         raise missing_extra("bench", "bench", err) from err
     if bool(args.model) == bool(args.arch):

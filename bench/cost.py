@@ -8,11 +8,16 @@ Methods (all on the same batch of random normalised pixels):
   as separate ORT calls of B rows: EVA-0's +/- pair as two, FOA's 28 candidates as 28);
 * ``eva0-iob`` (any runtime method + ``-iob``, combinable with ``-lowmem``): the step through
   ORT's IOBinding with reused output buffers (``io_binding``);
+* ``eva0-split`` (any runtime method + ``-split``): split sessions (``split``): the prefix once
+  on B rows, the suffix in calls of B rows (the memory of inference);
 * ``foa`` / ``foa-dagger`` / ``eva0-clubs``: the prompt methods' full steps (FOA: CMA-ES ask,
   one ORT call over 28B rows, fitness, tell, activation shift) on the prompt variant of the same
   weights (``--arch`` exports it; ``name@FP`` sets #FP);
 * ``tent``: TENT in torch on the same architecture and weights: forward, entropy, backward,
   SGD on every norm affine.
+
+The health guard is off in every runtime step timed here: on random pixels it trips at once
+and the steps after it would be its pause, not the method's step.
 
 Timing: warm-up, then repetitions interleaved across methods (round-robin, so a load spike hits
 all of them), medians. Peak memory: each (method, batch) runs again in its own process and
@@ -36,13 +41,14 @@ import numpy as np
 
 from eva0_edge.runtime.methods import RUNTIME_METHODS, base_name, is_prompt_method, load_method
 from eva0_edge.runtime.modelfile import read_metadata
+from eva0_edge.runtime.registry import spec_of
 
 from .machine import environment
 from .output import machine_line, pyplot, save_figure
 from .output import write_outputs as write_bench_outputs
 from .workload import export_random, random_batch
 
-SESSION_MODES = {"-lowmem": "low_memory", "-iob": "io_binding"}
+SESSION_MODES = {"-lowmem": "low_memory", "-iob": "io_binding", "-split": "split"}
 COST_METHODS = (*RUNTIME_METHODS, *(f"eva0{suffix}" for suffix in SESSION_MODES), "tent")
 PROMPT_TOKENS = 3
 
@@ -87,7 +93,9 @@ def make_step(
             if prompt_model is None:
                 raise ValueError(f"{method} needs a prompt model (--prompt-model or --arch)")
             path = prompt_model
-        model = load_method(path, base, seed=0, provider=provider, threads=threads, **flags)
+        config = {"guard": False} if spec_of(base).kind == "engine" else None
+        model = load_method(path, base, config, seed=0, provider=provider, threads=threads,
+                            **flags)
         return (lambda: model.step(x)), (lambda: model.session.counter.ort_seconds)
     import torch
 
@@ -192,7 +200,7 @@ def bench_prompt_model(
     if given:
         return given
     if arch:
-        from .cache import cache_dir
+        from eva0_edge.runtime.cache import cache_dir
 
         return str(export_random(arch, cache_dir() / "bench-models", seed, PROMPT_TOKENS))
     from .prompt_variant import prompt_variant

@@ -12,10 +12,10 @@ import numpy as np
 from tqdm import tqdm
 
 from eva0_edge.runtime.atomic import atomic_write
+from eva0_edge.runtime.cache import cache_dir
 from eva0_edge.runtime.data import IMAGE_SUFFIXES, InputStream
 from eva0_edge.runtime.metadata import Preprocessing
 
-from .cache import cache_dir
 from .corruptions import CORRUPTIONS, corrupt_images
 from .fashion_mnist import load_fashion_mnist, train_val_indices
 from .hostile import HOSTILE, ORDERED, hostile_images

@@ -46,6 +46,8 @@ class EvalSpec:
     torch_checkpoint: str | None = None
     provider: str = "auto"
     io_binding: bool = False
+    split_sessions: bool = False
+    memory_budget_mb: float | None = None
     threads: int | None = None
     prompt_model: str | None = None
 
@@ -86,7 +88,8 @@ def method_factory(spec: EvalSpec, name: str) -> Callable[[], StreamMethod]:
         config = foa if spec_of(name).kind == "foa" else engine
         path = model_for(spec, name)
         return lambda: load_method(path, name, config, spec.seed, spec.provider, spec.threads,
-                                   io_binding=spec.io_binding)
+                                   io_binding=spec.io_binding, split=spec.split_sessions,
+                                   memory_budget_mb=spec.memory_budget_mb)
     import torch
 
     from .backprop import BackpropTTA, load_torch_source

@@ -17,11 +17,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from eva0_edge.runtime.cache import cache_dir
 from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.session import AdaptableSession
 
-from .cache import cache_dir
 from .machine import environment
 from .output import write_outputs
 from .workload import export_random, random_batch

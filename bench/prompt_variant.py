@@ -12,11 +12,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from eva0_edge.runtime.cache import cache_dir
 from eva0_edge.runtime.calibrate import calibrate_with_images
 from eva0_edge.runtime.engine import model_fingerprint
 from eva0_edge.runtime.modelfile import load_onnx, read_metadata, save_onnx, set_metadata
 
-from .cache import cache_dir
 from .fashion_mnist import CALIBRATION_IMAGES, clean_training_images
 
 PROMPT_TOKENS = 3  # FOA's prompt count on ViT-Base

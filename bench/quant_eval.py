@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 
 from eva0_edge.quant import quantize_model
+from eva0_edge.runtime.cache import cache_dir
 from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.preprocess import preprocess_uint8
 
-from .cache import cache_dir
 from .datasets import Domain, fmnist_c_domains
 from .fashion_mnist import load_fashion_mnist, train_val_indices
 from .machine import environment

@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from eva0_edge.bench.cache import cache_dir
 from eva0_edge.bench.fashion_mnist import (
     CALIBRATION_IMAGES,
     CLASS_NAMES,
@@ -33,6 +32,7 @@ from eva0_edge.bench.fashion_mnist import (
 )
 from eva0_edge.bench.testbed_archs import ARCHS
 from eva0_edge.exporter import export_model
+from eva0_edge.runtime.cache import cache_dir
 from eva0_edge.runtime.calibrate import calibrate_with_images
 from eva0_edge.runtime.metadata import Preprocessing
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from typing import Any
 
 from .config import parse_key_values
 from .registry import RUNTIME_KINDS, method_help
@@ -48,7 +49,27 @@ def add_runtime_options(p: argparse.ArgumentParser, *, method: bool = True) -> N
     p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"])
     if method:
         p.add_argument("--io-binding", action="store_true", help=IO_BINDING_HELP)
+        add_split_options(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+
+def add_split_options(p: argparse.ArgumentParser) -> None:
+    """--split-sessions and --memory-budget-mb (see ``AdaptableSession``)."""
+    p.add_argument(
+        "--split-sessions", action="store_true",
+        help="run the shared prefix once and the adapted suffix per theta copy, as two ORT "
+        "sessions (the parts are cached on first use)",
+    )
+    p.add_argument(
+        "--memory-budget-mb", type=float,
+        help="with --split-sessions: MiB of suffix activations one call may hold (default: "
+        "the rows of plain inference, i.e. one call per theta copy)",
+    )
+
+
+def split_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The AdaptableSession keywords of --split-sessions / --memory-budget-mb."""
+    return {"split": args.split_sessions, "memory_budget_mb": args.memory_budget_mb}
 
 
 def _runtime_method(name: str) -> str:
@@ -100,7 +121,7 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
 
     model = load_method(
         args.model, args.method, parse_key_values(args.set or []), args.seed, args.provider,
-        low_memory=args.low_memory, io_binding=args.io_binding,
+        low_memory=args.low_memory, io_binding=args.io_binding, **split_options(args),
     )
     if isinstance(model, FOAModel):
         if args.state:
@@ -148,7 +169,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
 
     model = load_method(
         args.model, args.method, parse_key_values(args.set or []), args.seed, args.provider,
-        args.threads, args.low_memory, args.io_binding,
+        args.threads, args.low_memory, args.io_binding, **split_options(args),
     )
     options = ServeOptions(
         name=args.name or Path(args.model).stem,
@@ -241,6 +262,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, help="ORT intra-op threads")
     p.add_argument("--low-memory", action="store_true", help=LOW_MEMORY_HELP)
     p.add_argument("--io-binding", action="store_true", help=IO_BINDING_HELP)
+    add_split_options(p)
     p.add_argument("--seed", type=int, default=0, help="perturbation seed (default 0)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="hyper-parameter override, repeatable")

@@ -39,10 +39,14 @@ def load_method(
     threads: int | None = None,
     low_memory: bool = False,
     io_binding: bool = False,
+    split: bool = False,
+    memory_budget_mb: float | None = None,
 ) -> RuntimeModel:
     """Open ``path`` with ONNX Runtime under method ``name`` (any runtime method, ``@FP``
-    allowed); ``config`` overrides the method's hyper-parameters; ``low_memory`` and
-    ``io_binding``: see :class:`~eva0_edge.runtime.session.AdaptableSession`."""
+    allowed); ``config`` overrides the method's hyper-parameters; ``low_memory``,
+    ``io_binding``, ``split`` and ``memory_budget_mb``: see
+    :class:`~eva0_edge.runtime.session.AdaptableSession`."""
     model_cls = FOAModel if spec_of(name, *RUNTIME_KINDS).kind == "foa" else AdaptiveModel
     return model_cls.load(path, name, config, seed, provider=provider, threads=threads,
-                          low_memory=low_memory, io_binding=io_binding)
+                          low_memory=low_memory, io_binding=io_binding, split=split,
+                          memory_budget_mb=memory_budget_mb)

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from .iobinding import BoundRunner
 from .metadata import ModelFormatError, ModelMetadata
+from .split import split_files
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
@@ -61,6 +64,21 @@ def session_options(
     return options
 
 
+def shared_arena(options: ort.SessionOptions) -> None:
+    """Make the sessions opened with ``options`` draw from one process-wide CPU arena (created
+    on first use), so the prefix's activations and the suffix's reuse the same memory."""
+    global _ARENA_REGISTERED
+    if not _ARENA_REGISTERED:
+        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
+                                 ort.OrtMemType.DEFAULT)
+        ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
+        _ARENA_REGISTERED = True
+    options.add_session_config_entry("session.use_env_allocators", "1")
+
+
+_ARENA_REGISTERED = False
+
+
 def open_session(
     path: str | os.PathLike, options: ort.SessionOptions, providers: list[str]
 ) -> ort.InferenceSession:
@@ -101,6 +119,12 @@ class AdaptableSession:
     rows. Peak activation memory is then that of plain inference, at the cost of computing the
     shared prefix r times instead of once.
 
+    ``split``: cut the file into its shared prefix and adapted suffix (:mod:`.split`) and run
+    them as two sessions: the prefix once on the N images, the suffix on the theta copies in
+    calls of at most ``memory_budget_mb`` worth of rows (estimated per row from the suffix's
+    largest activation; at least N rows a call; default N: the rows plain inference runs, so
+    the peak stays that of inference). The results equal the one-call graph's.
+
     ``profile_prefix``: ONNX Runtime's profiler on (see :func:`session_options`).
 
     ``io_binding``: run through :class:`BoundRunner` (outputs written into buffers reused from
@@ -117,12 +141,22 @@ class AdaptableSession:
         low_memory: bool = False,
         io_binding: bool = False,
         profile_prefix: str | None = None,
+        split: bool = False,
+        memory_budget_mb: float | None = None,
     ) -> None:
+        if split and (low_memory or io_binding):
+            raise ValueError("split sessions are not combined with low_memory or io_binding")
+        if memory_budget_mb is not None and (not split or memory_budget_mb <= 0):
+            raise ValueError("memory_budget_mb needs split sessions and a positive size")
         self.low_memory = low_memory
         self.providers = resolve_providers(provider)
-        self.session = open_session(
-            path, session_options(threads, profile_prefix), self.providers
-        )
+        options = session_options(threads, profile_prefix)
+        self.parts: SplitSessions | None = None
+        if split:
+            self.parts = SplitSessions(path, options, self.providers, memory_budget_mb)
+            self.session = self.parts.suffix
+        else:
+            self.session = open_session(path, options, self.providers)
         if metadata is None:  # from ORT's parse: the file is read once
             metadata = ModelMetadata.from_props(self.session.get_modelmeta().custom_metadata_map)
         self.metadata = metadata
@@ -133,7 +167,8 @@ class AdaptableSession:
             )
         device = "cuda" if self.providers[0] == PROVIDERS["cuda"] else "cpu"
         self.binder = BoundRunner(self.session, device) if io_binding else None
-        names = {i.name for i in self.session.get_inputs()}
+        sessions = [self.session] if self.parts is None else [self.parts.prefix, self.parts.suffix]
+        names = {i.name for session in sessions for i in session.get_inputs()}
         self.adapted_input = metadata.adapted_input
         needed = {"pixel_values", self.adapted_input}
         if metadata.is_prompt_model:
@@ -214,7 +249,11 @@ class AdaptableSession:
             raise ValueError(f"theta has {rows} rows, not a multiple of the batch {n}")
         start = time.perf_counter()
         theta = np.ascontiguousarray(theta, dtype=np.float32)
-        if self.low_memory and rows > n:
+        if self.parts is not None:
+            results = self.parts.run(
+                x, rows, outputs, lambda a, b: self._adapted_feeds(theta[a:b], shift)
+            )
+        elif self.low_memory and rows > n:
             parts = [
                 [self.owned(a) for a in self._run(x, theta[j : j + n], outputs, shift)]
                 for j in range(0, rows, n)
@@ -229,15 +268,63 @@ class AdaptableSession:
     def _run(
         self, x: np.ndarray, theta: np.ndarray, outputs: list[str], shift: np.ndarray | None
     ) -> list[np.ndarray]:
-        feeds = {"pixel_values": x}
-        if self.metadata.is_prompt_model:
-            feeds["prompt"] = theta.reshape(theta.shape[0], *self._prompt_shape)
-            feeds["head_shift"] = (
-                shift if shift is not None
-                else np.zeros((1, self._prompt_shape[1]), dtype=np.float32)
-            )
-        else:
-            feeds["theta"] = theta
+        feeds = {"pixel_values": x, **self._adapted_feeds(theta, shift)}
         if self.binder is not None:
             return self.binder.run(feeds, outputs, theta.shape[0])
         return self.session.run(outputs, feeds)
+
+    def _adapted_feeds(self, theta: np.ndarray, shift: np.ndarray | None) -> dict[str, np.ndarray]:
+        """The adapted inputs for theta rows [R, P]: ``theta``, or ``prompt`` and ``head_shift``."""
+        if not self.metadata.is_prompt_model:
+            return {"theta": theta}
+        return {
+            "prompt": theta.reshape(theta.shape[0], *self._prompt_shape),
+            "head_shift": shift if shift is not None
+            else np.zeros((1, self._prompt_shape[1]), dtype=np.float32),
+        }
+
+
+class SplitSessions:
+    """The prefix and suffix sessions of a split file (:func:`.split.split_model`); the suffix
+    runs ``rows_per_call`` theta rows at a time (see :class:`AdaptableSession`)."""
+
+    def __init__(
+        self, path: str | os.PathLike, options: ort.SessionOptions, providers: list[str],
+        memory_budget_mb: float | None,
+    ) -> None:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"model file not found: {path}")
+        try:
+            parts = split_files(path)
+        except (onnx.onnx_cpp2py_export.checker.ValidationError, onnx.onnx_cpp2py_export.
+                shape_inference.InferenceError, ValueError) as err:
+            raise ModelFormatError(f"{path} cannot be split into prefix and suffix: {err}") from err
+        self.boundary = parts.boundary
+        self.row_bytes = 4 * parts.row_elements
+        self.memory_budget_mb = memory_budget_mb
+        shared_arena(options)
+        self.prefix = open_session(parts.prefix, options, providers)
+        self.suffix = open_session(parts.suffix, options, providers)
+
+    def rows_per_call(self, n: int, rows: int) -> int:
+        """Theta rows per suffix call: the most multiples of ``n`` the budget holds (at least
+        ``n``: the rows of plain inference), at most ``rows``."""
+        if self.memory_budget_mb is None:
+            return n
+        fits = int(self.memory_budget_mb * 2**20 // self.row_bytes) // n * n
+        return min(rows, max(n, fits))
+
+    def run(
+        self, x: np.ndarray, rows: int, outputs: list[str],
+        adapted: Callable[[int, int], dict[str, np.ndarray]],
+    ) -> list[np.ndarray]:
+        """The prefix once on ``x`` [N, ...], the suffix over theta rows [a, b) in chunks
+        (``adapted(a, b)``: their feeds); ``outputs`` [rows, ...] concatenated."""
+        values = self.prefix.run(self.boundary, {"pixel_values": x})
+        hidden = dict(zip(self.boundary, values, strict=True))
+        chunk = self.rows_per_call(x.shape[0], rows)
+        parts = [self.suffix.run(outputs, {**hidden, **adapted(a, min(rows, a + chunk))})
+                 for a in range(0, rows, chunk)]
+        if len(parts) == 1:
+            return parts[0]
+        return [np.concatenate([p[k] for p in parts]) for k in range(len(outputs))]

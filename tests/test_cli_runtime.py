@@ -131,3 +131,19 @@ def test_adapt_streams_foa_over_a_prompt_model(prompt_vit, tmp_path, capsys):
     assert main([*base, "--state", str(tmp_path / "foa.npz")]) == 2
     assert "CMA-ES" in capsys.readouterr().err
     assert not (tmp_path / "foa.npz").exists()
+
+
+def test_adapt_with_split_sessions_writes_the_same_predictions(calibrated_vit, tmp_path,
+                                                                monkeypatch):
+    monkeypatch.setenv("EVA0_CACHE", str(tmp_path / "cache"))
+    np.save(tmp_path / "s.npy", np.random.default_rng(2).integers(0, 256, (12, 32, 32, 3),
+                                                                  dtype=np.uint8))
+    outputs = {}
+    for mode, extra in (("whole", []), ("split", ["--split-sessions"]),
+                        ("budget", ["--split-sessions", "--memory-budget-mb", "512"])):
+        outputs[mode] = tmp_path / f"{mode}.jsonl"
+        assert main(["adapt", "--model", str(calibrated_vit), "--input", str(tmp_path / "s.npy"),
+                     "--output", str(outputs[mode]), "--batch-size", "4", "-q", *extra]) == 0
+    labels = {mode: [json.loads(line)["label"] for line in path.read_text().splitlines()]
+              for mode, path in outputs.items()}
+    assert labels["split"] == labels["whole"] == labels["budget"]
