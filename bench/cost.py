@@ -3,13 +3,15 @@
 Methods (all on the same batch of random normalised pixels):
 * ``noadapt``: one ORT forward per sample (the reference of every ratio);
 * ``eva0`` / ``zoa`` / ``spsa2-shared`` / ``eva0-dagger``: a full runtime step (perturbation
-  draw, one ORT call over 2B rows with the shared prefix, losses, update);
+  draw, one ORT call over 2B rows with the shared prefix, losses, update) on the one-file
+  session;
 * ``eva0-lowmem`` (any runtime method + ``-lowmem``): the step with ``low_memory`` (the copies
   as separate ORT calls of B rows: EVA-0's +/- pair as two, FOA's 28 candidates as 28);
 * ``eva0-iob`` (any runtime method + ``-iob``, combinable with ``-lowmem``): the step through
   ORT's IOBinding with reused output buffers (``io_binding``);
-* ``eva0-split`` (any runtime method + ``-split``): split sessions (``split``): the prefix once
-  on B rows, the suffix in calls of B rows (the memory of inference);
+* ``eva0-split`` (any runtime method + ``-split``): split sessions (``split``, the default of
+  ``adapt`` / ``serve`` / ``eval`` on the CPU): the prefix once on B rows, the suffix in calls
+  as large as the default 16 MiB budget holds (B rows at least);
 * ``foa`` / ``foa-dagger`` / ``eva0-clubs``: the prompt methods' full steps (FOA: CMA-ES ask,
   one ORT call over 28B rows, fitness, tell, activation shift) on the prompt variant of the same
   weights (``--arch`` exports it; ``name@FP`` sets #FP);

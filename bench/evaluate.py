@@ -46,7 +46,7 @@ class EvalSpec:
     torch_checkpoint: str | None = None
     provider: str = "auto"
     io_binding: bool = False
-    split_sessions: bool = False
+    split_sessions: bool | None = None
     memory_budget_mb: float | None = None
     threads: int | None = None
     prompt_model: str | None = None

@@ -56,14 +56,16 @@ def add_runtime_options(p: argparse.ArgumentParser, *, method: bool = True) -> N
 def add_split_options(p: argparse.ArgumentParser) -> None:
     """--split-sessions and --memory-budget-mb (see ``AdaptableSession``)."""
     p.add_argument(
-        "--split-sessions", action="store_true",
+        "--split-sessions", action=argparse.BooleanOptionalAction,
         help="run the shared prefix once and the adapted suffix per theta copy, as two ORT "
-        "sessions (the parts are cached on first use)",
+        "sessions, the parts cached on first use (default: on for the CPU provider unless "
+        "--low-memory or --io-binding)",
     )
     p.add_argument(
         "--memory-budget-mb", type=float,
-        help="with --split-sessions: MiB of suffix activations one call may hold (default: "
-        "the rows of plain inference, i.e. one call per theta copy)",
+        help="with --split-sessions: MiB of suffix activations one call may hold, at least "
+        "the batch's rows (default 16: a small model's copies in one call, a large model's "
+        "one copy per call)",
     )
 
 

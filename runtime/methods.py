@@ -39,7 +39,7 @@ def load_method(
     threads: int | None = None,
     low_memory: bool = False,
     io_binding: bool = False,
-    split: bool = False,
+    split: bool | None = None,
     memory_budget_mb: float | None = None,
 ) -> RuntimeModel:
     """Open ``path`` with ONNX Runtime under method ``name`` (any runtime method, ``@FP``

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -11,10 +12,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+from google.protobuf.message import DecodeError
 
 from .iobinding import BoundRunner
 from .metadata import ModelFormatError, ModelMetadata
 from .split import split_files
+
+log = logging.getLogger(__name__)
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
@@ -120,10 +124,15 @@ class AdaptableSession:
     shared prefix r times instead of once.
 
     ``split``: cut the file into its shared prefix and adapted suffix (:mod:`.split`) and run
-    them as two sessions: the prefix once on the N images, the suffix on the theta copies in
+    them as two sessions (default None: on the CPU provider unless ``low_memory``,
+    ``io_binding`` or ``profile_prefix`` asks for the one-file session, falling back to it with
+    a warning when the parts cannot be written): the prefix once on the N images, the suffix
+    on the theta copies in
     calls of at most ``memory_budget_mb`` worth of rows (estimated per row from the suffix's
-    largest activation; at least N rows a call; default N: the rows plain inference runs, so
-    the peak stays that of inference). The results equal the one-call graph's.
+    largest activation; at least N rows a call, the rows plain inference runs; default
+    ``DEFAULT_BUDGET_MB``, 16 MiB: a small model runs its copies in one call, a large one in
+    calls of N rows, so the peak stays near that of inference). The results equal the
+    one-call graph's.
 
     ``profile_prefix``: ONNX Runtime's profiler on (see :func:`session_options`).
 
@@ -141,19 +150,27 @@ class AdaptableSession:
         low_memory: bool = False,
         io_binding: bool = False,
         profile_prefix: str | None = None,
-        split: bool = False,
+        split: bool | None = None,
         memory_budget_mb: float | None = None,
     ) -> None:
-        if split and (low_memory or io_binding):
-            raise ValueError("split sessions are not combined with low_memory or io_binding")
-        if memory_budget_mb is not None and (not split or memory_budget_mb <= 0):
+        one_file = low_memory or io_binding or profile_prefix is not None
+        if split and one_file:
+            raise ValueError("split sessions are not combined with low_memory, io_binding or "
+                             "profiling")
+        if memory_budget_mb is not None and (split is False or one_file or memory_budget_mb <= 0):
             raise ValueError("memory_budget_mb needs split sessions and a positive size")
         self.low_memory = low_memory
         self.providers = resolve_providers(provider)
         options = session_options(threads, profile_prefix)
         self.parts: SplitSessions | None = None
-        if split:
+        if split is None:
+            split = not one_file and self.providers[0] == PROVIDERS["cpu"]
+            if split:
+                self.parts = SplitSessions.or_none(path, options, self.providers,
+                                                   memory_budget_mb)
+        elif split:
             self.parts = SplitSessions(path, options, self.providers, memory_budget_mb)
+        if self.parts is not None:
             self.session = self.parts.suffix
         else:
             self.session = open_session(path, options, self.providers)
@@ -284,6 +301,9 @@ class AdaptableSession:
         }
 
 
+DEFAULT_BUDGET_MB = 16.0
+
+
 class SplitSessions:
     """The prefix and suffix sessions of a split file (:func:`.split.split_model`); the suffix
     runs ``rows_per_call`` theta rows at a time (see :class:`AdaptableSession`)."""
@@ -297,7 +317,7 @@ class SplitSessions:
         try:
             parts = split_files(path)
         except (onnx.onnx_cpp2py_export.checker.ValidationError, onnx.onnx_cpp2py_export.
-                shape_inference.InferenceError, ValueError) as err:
+                shape_inference.InferenceError, DecodeError, ValueError) as err:
             raise ModelFormatError(f"{path} cannot be split into prefix and suffix: {err}") from err
         self.boundary = parts.boundary
         self.row_bytes = 4 * parts.row_elements
@@ -306,12 +326,28 @@ class SplitSessions:
         self.prefix = open_session(parts.prefix, options, providers)
         self.suffix = open_session(parts.suffix, options, providers)
 
+    @classmethod
+    def or_none(
+        cls, path: str | os.PathLike, options: ort.SessionOptions, providers: list[str],
+        memory_budget_mb: float | None,
+    ) -> SplitSessions | None:
+        """The split sessions, or None (with a warning) when the file cannot be split or its
+        parts cannot be cached; a missing file still raises."""
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"model file not found: {path}")
+        try:
+            return cls(path, options, providers, memory_budget_mb)
+        except (OSError, ModelFormatError) as err:
+            log.warning("running %s as one session (no split sessions): %s", path, err)
+            return None
+
     def rows_per_call(self, n: int, rows: int) -> int:
         """Theta rows per suffix call: the most multiples of ``n`` the budget holds (at least
-        ``n``: the rows of plain inference), at most ``rows``."""
-        if self.memory_budget_mb is None:
-            return n
-        fits = int(self.memory_budget_mb * 2**20 // self.row_bytes) // n * n
+        ``n``: the rows of plain inference), at most ``rows``. Without a budget:
+        ``DEFAULT_BUDGET_MB``, which only a small model's calls fit in (one call instead of
+        several saves the per-call overhead where the activations are a few MiB)."""
+        budget = DEFAULT_BUDGET_MB if self.memory_budget_mb is None else self.memory_budget_mb
+        fits = int(budget * 2**20 // self.row_bytes) // n * n
         return min(rows, max(n, fits))
 
     def run(

@@ -300,8 +300,9 @@ def test_low_memory_runs_the_same_steps(calibrated_vit):
 
 
 def test_loading_parses_the_file_once(monkeypatch, tmp_path):
-    """The runtime reads the metadata from ORT's own parse (no onnx.load of the weights), and a
-    file that is not ONNX is refused with its name."""
+    """The runtime reads the metadata from ORT's own parse (no onnx.load of the weights; the
+    split sessions' parts are cut once, on first use, then read from the cache), and a file
+    that is not ONNX is refused with its name."""
     import onnx
 
     from eva0_edge.runtime.metadata import ModelFormatError
@@ -310,10 +311,14 @@ def test_loading_parses_the_file_once(monkeypatch, tmp_path):
     def no_second_parse(*args, **kwargs):
         raise AssertionError("onnx.load called on the device path")
 
-    monkeypatch.setattr(onnx, "load", no_second_parse)
-    model = AdaptiveModel.load(MODEL, "eva0", provider="cpu")
-    assert model.metadata.architecture and model.config.eta > 0
+    monkeypatch.setenv("EVA0_CACHE", str(tmp_path / "cache"))
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"not a model")
-    with pytest.raises(ModelFormatError, match="bad.onnx"):
-        AdaptiveModel.load(bad, provider="cpu")
+    for split in (None, True, False):
+        with pytest.raises(ModelFormatError, match="bad.onnx"):
+            AdaptiveModel.load(bad, provider="cpu", split=split)
+    assert AdaptiveModel.load(MODEL, "eva0", provider="cpu").session.parts is not None
+    monkeypatch.setattr(onnx, "load", no_second_parse)
+    for split in (None, False):
+        model = AdaptiveModel.load(MODEL, "eva0", provider="cpu", split=split)
+        assert model.metadata.architecture and model.config.eta > 0

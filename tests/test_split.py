@@ -39,9 +39,10 @@ def test_split_equals_one_file_for_every_row_layout(path, copies):
 
 def test_a_budget_below_the_whole_call_runs_the_copies_in_several_calls():
     path = SHIPPED[0]
-    tight = AdaptableSession(path, provider="cpu", split=True)
-    roomy = AdaptableSession(path, provider="cpu", split=True, memory_budget_mb=10_000)
+    tight = AdaptableSession(path, provider="cpu", split=True, memory_budget_mb=0.5)
+    roomy = AdaptableSession(path, provider="cpu", split=True)  # 16 MiB: the tiny ViT fits
     assert tight.parts.rows_per_call(4, 8) == 4 and roomy.parts.rows_per_call(4, 8) == 8
+    assert tight.parts.rows_per_call(1, 2) == 2  # 0.5 MiB still holds 2 rows of 0.2 MiB
     calls = []
     run = tight.parts.suffix.run
     tight.parts.suffix.run = lambda *a: calls.append(1) or run(*a)
