@@ -4,7 +4,8 @@
     python models/guard_audit.py --model models/vit_fmnist.onnx --write
 
 Runs EVA-0 (the file's recommended values, guard on) over the 15-corruption continual stream
-(severity 5, ``--limit`` validation images per corruption) at each batch size of
+(severity 5, ``--limit`` validation images per corruption, repeated ``--passes`` times without
+reset: a rare collapse shows only in long streams) at each batch size of
 ``--batch-sizes`` (default 1 and 64) for every candidate of ``--grid`` (adapted samples between
 audits; ``None`` = no audit), and NoAdapt on the same stream. The continual stream is where an
 audit matters: a theta adapted to one corruption meets the next. Choice: the best worst cell
@@ -22,6 +23,7 @@ import ast
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from eva0_edge.bench.evaluate import EvalSpec, load_domains, method_factory
@@ -63,6 +65,8 @@ def main() -> None:
     parser.add_argument("--grid", default="None,1024,2048")
     parser.add_argument("--limit", type=int, default=1000, help="images per corruption")
     parser.add_argument("--batch-sizes", default="1,64")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="times the continual stream repeats without reset (default 1)")
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--from-log", action="store_true", help="reuse the log's choice")
     args = parser.parse_args()
@@ -81,7 +85,9 @@ def main() -> None:
     base = EvalSpec(model=args.model, dataset="fmnist-c", protocol="continual", severity=5,
                     batch_size=batches[0], methods=["noadapt"], split="val", limit=args.limit,
                     threads=1)
-    domains = load_domains(base, progress=False)
+    once = load_domains(base, progress=False)
+    domains = [replace(d, name=f"{d.name}@{i}" if args.passes > 1 else d.name)
+               for i in range(1, args.passes + 1) for d in once]
     reference = {b: accuracy(base, "noadapt", domains, b) for b in batches}
     runs = []
     for audit in grid:
@@ -98,6 +104,7 @@ def main() -> None:
         write_choice(args.model, chosen)
     log.write_text(json.dumps({
         "model": Path(args.model).name, "split": "val", "limit": args.limit,
+        "passes": args.passes,
         "batch_sizes": batches, "noadapt": reference, "runs": runs,
         "chosen": chosen, "seconds": time.time() - start,
         "load_average": os.getloadavg(),
