@@ -339,11 +339,7 @@ class AdaptiveModel:
         if reason is None:
             return
         to_source = guard.tripped(reason)
-        if to_source:
-            st.healthy_theta = self.metadata.theta0.astype(np.float32).copy()
-        st.theta = st.healthy_theta.copy()
-        st.velocity = np.zeros_like(st.velocity)
-        st.stat_weight = 0.0  # the statistics saw the unhealthy stream: start them again
+        self._roll_back(self.metadata.theta0 if to_source else st.healthy_theta)
         st.guard_trips += 1
         st.pause_left = self.config.guard_pause
         log.warning(
@@ -376,10 +372,7 @@ class AdaptiveModel:
         what = "audit" if guard.auditing else "pause"
         verdict = guard.pause_verdict(dueled, min(guard.warmup, cfg.guard_pause))
         if verdict != "checkpoint" and dueled:
-            st.theta = self.metadata.theta0.astype(np.float32).copy()
-            st.healthy_theta = st.theta.copy()
-            st.velocity = np.zeros_like(st.velocity)
-            st.stat_weight = 0.0
+            self._roll_back(self.metadata.theta0)
         if verdict == "hold":
             st.pause_left = cfg.guard_pause
         quiet = (verdict == "hold" and not dueled) or (what, verdict) == ("audit", "checkpoint")
@@ -392,6 +385,15 @@ class AdaptiveModel:
             "hold": "theta0's own signals are out of bounds too: holding at theta0 for "
                     f"{cfg.guard_pause} more samples",
         }[verdict])
+
+    def _roll_back(self, theta: np.ndarray) -> None:
+        """Make ``theta`` [P] both the current and the healthy theta, with no momentum and the
+        online statistics started again (they saw the stream that is being left)."""
+        st = self.state
+        st.healthy_theta = theta.astype(np.float32, copy=True)
+        st.theta = st.healthy_theta.copy()
+        st.velocity = np.zeros_like(st.velocity)
+        st.stat_weight = 0.0
 
     def estimate(self, x: np.ndarray, step_index: int | None = None) -> GradientEstimate:
         """The method's zeroth-order gradient estimate on ``x`` at the current theta, from the
