@@ -1,7 +1,8 @@
-"""Source feature statistics from clean images, written into the model file."""
+"""Source statistics from clean images (features, classifier input), written into the model file."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -9,17 +10,30 @@ import numpy as np
 from tqdm import tqdm
 
 from .data import InputStream
+from .head import HeadError, LinearHead, read_head
 from .modelfile import load_onnx, read_metadata, save_onnx, set_metadata
 from .session import AdaptableSession
 
+log = logging.getLogger(__name__)
 
-def feature_statistics(
+
+def source_statistics(
     session: AdaptableSession, stream: InputStream, batch_size: int = 64, progress: bool = True
-) -> tuple[np.ndarray, np.ndarray]:
-    """Mean and std [F] of the alignment features under theta0 over the whole stream."""
-    theta0 = session.metadata.theta0
-    total = np.zeros(session.metadata.num_features, dtype=np.float64)
+) -> dict[str, np.ndarray]:
+    """The source statistics of the file's arrays over the whole stream under theta0:
+    ``source_mean`` / ``source_std`` [F] of the alignment features and, when the classifier
+    head can be read from the graph (:mod:`.head`), ``head_input_mean`` [D], the mean input of
+    the classifier (what activation shifting moves toward)."""
+    metadata = session.metadata
+    try:
+        head: LinearHead | None = read_head(load_onnx(session.path), metadata)
+    except HeadError as err:
+        log.info("no head_input_mean: %s", err)
+        head = None
+    theta0 = metadata.theta0
+    total = np.zeros(metadata.num_features, dtype=np.float64)
     total_sq = np.zeros_like(total)
+    head_total = np.zeros(head.width if head else 0, dtype=np.float64)
     count = 0
     for _, x, _ in tqdm(
         stream.batches(batch_size),
@@ -32,12 +46,25 @@ def feature_statistics(
         features = features.astype(np.float64)
         total += features.sum(axis=0)
         total_sq += (features**2).sum(axis=0)
+        if head is not None:
+            head_total += head.head_input(features).sum(axis=0)
         count += x.shape[0]
     if count < 2:
         raise ValueError("calibration needs at least 2 images")
     mean = total / count
     std = np.sqrt(np.maximum(total_sq / count - mean**2, 0.0))
-    return mean.astype(np.float32), std.astype(np.float32)
+    stats = {"source_mean": mean.astype(np.float32), "source_std": std.astype(np.float32)}
+    if head is not None:
+        stats["head_input_mean"] = (head_total / count).astype(np.float32)
+    return stats
+
+
+def feature_statistics(
+    session: AdaptableSession, stream: InputStream, batch_size: int = 64, progress: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and std [F] of the alignment features under theta0 over the whole stream."""
+    stats = source_statistics(session, stream, batch_size, progress)
+    return stats["source_mean"], stats["source_std"]
 
 
 def write_source_stats(
@@ -45,12 +72,16 @@ def write_source_stats(
     output: str | os.PathLike,
     mean: np.ndarray,
     std: np.ndarray,
+    head_mean: np.ndarray | None = None,
 ) -> Path:
-    """Copy ``model_path`` to ``output`` (may be the same file) with source_mean/std set."""
+    """Copy ``model_path`` to ``output`` (may be the same file) with source_mean/std (and
+    head_input_mean, when given) set."""
     model = load_onnx(model_path)
     metadata = read_metadata(model)
     metadata.arrays["source_mean"] = np.asarray(mean, dtype=np.float32)
     metadata.arrays["source_std"] = np.asarray(std, dtype=np.float32)
+    if head_mean is not None:
+        metadata.arrays["head_input_mean"] = np.asarray(head_mean, dtype=np.float32)
     return save_onnx(set_metadata(model, metadata), output)
 
 
@@ -70,5 +101,6 @@ def calibrate_with_images(
     session = AdaptableSession(model_path, metadata, "cpu")
     stream = InputStream([str(i) for i in range(len(images))], None, images, None,
                          metadata.preprocessing)
-    mean, std = feature_statistics(session, stream, batch_size, progress=progress)
-    return write_source_stats(model_path, model_path, mean, std)
+    stats = source_statistics(session, stream, batch_size, progress=progress)
+    return write_source_stats(model_path, model_path, stats["source_mean"], stats["source_std"],
+                              stats.get("head_input_mean"))

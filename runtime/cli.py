@@ -97,7 +97,7 @@ def _cmd_info(args: argparse.Namespace) -> None:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> None:
-    from .calibrate import feature_statistics, write_source_stats
+    from .calibrate import source_statistics, write_source_stats
     from .data import open_input
     from .modelfile import read_metadata
     from .session import AdaptableSession
@@ -105,8 +105,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> None:
     metadata = read_metadata(args.model)
     session = AdaptableSession(args.model, metadata, args.provider)
     stream = open_input(args.data, metadata.preprocessing)
-    mean, std = feature_statistics(session, stream, args.batch_size, progress=not args.quiet)
-    write_source_stats(args.model, args.output, mean, std)
+    stats = source_statistics(session, stream, args.batch_size, progress=not args.quiet)
+    write_source_stats(args.model, args.output, stats["source_mean"], stats["source_std"],
+                       stats.get("head_input_mean"))
     print(f"wrote {args.output}: source statistics of {metadata.num_features} features "
           f"from {len(stream)} images")
 

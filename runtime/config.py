@@ -50,6 +50,11 @@ class AdaptConfig:
     ``guard_warmup`` samples duels the current theta against theta0, which wins when the
     current theta's feature distance to the source is over ``guard_audit_margin`` times its
     own.
+
+    Activation shift (:mod:`shift`, FOA's, at no forward): the served logits are the head
+    applied to its input moved by ``activation_shift`` x (source mean - test mean) of the head
+    input (0 = off; FOA: 1), the test mean a window of the last ``shift_window`` samples (FOA's
+    EMA: 1216). Needs the file's source statistics.
     """
 
     mu: float = 0.06
@@ -87,6 +92,8 @@ class AdaptConfig:
     guard_logit_norm_max: float | None = None
     guard_drift_max: float | None = None
     guard_alignment_max: float | None = None
+    activation_shift: float = 0.0
+    shift_window: float = 1216.0
     eps: float = 1e-8
     delta: float = 1e-8
 

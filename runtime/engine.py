@@ -40,6 +40,7 @@ from .monitoring import Health, StepStats
 from .perturbation import AnchorShare
 from .registry import REGISTRY, MethodSpec, parse_method
 from .session import AdaptableSession
+from .shift import ActivationShift, load_shift
 from .state import (
     AdaptState,
     StateError,
@@ -104,6 +105,10 @@ class AdaptiveModel:
         self.estimator = ZerothOrderEstimator(
             session, self.config, Objective(self.config, self._source_stats)
         )
+        self.shift: ActivationShift | None = (
+            load_shift(session, self.config.activation_shift, self.config.shift_window)
+            if self.config.activation_shift > 0 else None
+        )
         self.seed = int(seed)
         self.last = StepStats()
         self.reset()
@@ -137,6 +142,11 @@ class AdaptiveModel:
             raise ValueError("need mu > 0, eta >= 0 and 0 <= gamma <= 1")
         if not 0 <= config.alpha < 1 or not 0 <= config.momentum < 1:
             raise ValueError("need 0 <= alpha < 1 and 0 <= momentum < 1")
+        if config.activation_shift < 0 or config.shift_window < 1:
+            raise ValueError("need activation_shift >= 0 (0: off) and shift_window >= 1 sample")
+        if config.activation_shift > 0 and not self.metadata.has_source_stats:
+            raise ValueError("activation_shift needs the model's source statistics (run "
+                             "`eva0-edge calibrate`)")
         if config.reference_batch < 1 or config.coef_window < 1 or (
             config.stat_window is not None and config.stat_window < 1
         ):
@@ -194,10 +204,19 @@ class AdaptiveModel:
             "theta": md.num_params, "anchor": md.num_params, "velocity": md.num_params,
             "healthy_theta": md.num_params,
             "center": md.num_classes, "mean": md.num_features, "second_moment": md.num_features,
+            "shift_mean": md.num_features,  # at most: the head input is one feature segment
         }
 
     def _check_shapes(self, state: AdaptState) -> None:
-        for name, size in self._state_sizes().items():
+        sizes = self._state_sizes()
+        shift_size = state.shift_mean.size
+        if shift_size > sizes.pop("shift_mean") or (
+            self.shift is not None and shift_size not in (0, self.shift.head.width)
+        ):
+            raise StateError(f"state shift_mean has {shift_size} values; this model's head "
+                             "input has " + (f"{self.shift.head.width}" if self.shift else
+                                             "fewer"))
+        for name, size in sizes.items():
             if getattr(state, name).shape != (size,):
                 raise StateError(
                     f"state {name} has shape {getattr(state, name).shape}, model needs ({size},)"
@@ -263,6 +282,11 @@ class AdaptiveModel:
             "mean_logit_norm": self.last.logit_norm,
             "frozen": self.state.frozen,
             "paused_samples_left": self.state.pause_left,
+            "activation_shift": None if self.shift is None else {
+                "strength": self.shift.strength,
+                "samples_weight": self.state.shift_weight,
+                "logit_offset_norm": float(np.linalg.norm(self._logit_offset())),
+            },
             "guard": None if self.guard is None else {
                 "trips": self.state.guard_trips,
                 "last_reason": self.guard.last_reason,
@@ -295,17 +319,26 @@ class AdaptiveModel:
     # ----------------------------------------------------------------- inference
     def predict(self, x: np.ndarray) -> np.ndarray:
         """Logits [B, K] under the current theta, one forward per sample, no adaptation."""
+        logits, _ = self._forward(x)
+        return self._serve(logits)
+
+    def _forward(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(logits [B, K], features [B, F]) under the current theta, one forward per sample."""
         x = self.session.check_input(x)
         theta = np.broadcast_to(self.state.theta, (x.shape[0], self.state.theta.size))
-        logits, _ = self.session.run(x, theta)
+        logits, features = self.session.run(x, theta)
         self.session.counter.samples += x.shape[0]
-        self._record(logits)
-        return self.session.owned(logits)
+        return logits, features
 
     def step(self, x: np.ndarray) -> np.ndarray:
-        """Predict and (for adapting methods) adapt on the batch; returns logits [B, K]."""
+        """Predict and (for adapting methods) adapt on the batch; returns logits [B, K]
+        (activation-shifted when the shift is on; its test mean learns from the batch unless
+        frozen)."""
         if not self.spec.adapts:
-            return self.predict(x)
+            if self.shift is None or self.state.frozen:
+                return self.predict(x)
+            logits, features = self._forward(x)
+            return self._serve(logits, features)
         if self.state.pause_left > 0 and not self.state.frozen and self.guard is not None:
             return self._paused_step(self.guard, x)
         if self.state.frozen or self.state.pause_left > 0:
@@ -317,18 +350,18 @@ class AdaptiveModel:
         est = self.estimator.estimate(
             x, self.state, self.seed, self.state.step, n_anchor, control=True
         )
-        self._record(est.prediction)
+        served = self._serve(est.prediction, est.h_mean)
         self.last.anchor_rows = n_anchor
         self.state.step += 1
         if not (np.isfinite(est.coef).all() and np.isfinite(est.grad).all()):
-            return self._skip(est.prediction, "non-finite loss or gradient")
+            return self._skip(served, "non-finite loss or gradient")
         if not apply_update(self.config, self.state, est):
-            return self._skip(est.prediction, "non-finite theta")
+            return self._skip(served, "non-finite theta")
         if self.guard is not None:
             self._watch(self.guard, est.prediction)
             if self.state.pause_left == 0 and self.guard.start_audit(self.config.guard_audit):
                 self.state.pause_left = self.guard.warmup
-        return est.prediction
+        return served
 
     def _watch(self, guard: HealthGuard, prediction: np.ndarray) -> None:
         """Feed the health guard; checkpoint when healthy, roll back when it trips."""
@@ -360,12 +393,12 @@ class AdaptiveModel:
         logits, features = self.session.run(x, np.repeat(sides, batch, axis=0))
         self.session.counter.samples += batch
         guard.observe_pause(logits, features, dueled)
-        served = logits[batch:] if dueled and not guard.auditing else logits[:batch]
-        self._record(served)
+        rows = slice(batch, None) if dueled and not guard.auditing else slice(0, batch)
+        served = self._serve(logits[rows], features[rows])
         st.pause_left = max(0, st.pause_left - batch)
         if st.pause_left == 0:
             self._end_pause(guard, dueled)
-        return self.session.owned(served)
+        return served
 
     def _end_pause(self, guard: HealthGuard, dueled: bool) -> None:
         st, cfg = self.state, self.config
@@ -388,7 +421,8 @@ class AdaptiveModel:
 
     def _roll_back(self, theta: np.ndarray) -> None:
         """Make ``theta`` [P] both the current and the healthy theta, with no momentum and the
-        online statistics started again (they saw the stream that is being left)."""
+        online statistics started again (they saw the stream that is being left). The
+        activation shift's test mean is kept: it follows the input stream, not theta."""
         st = self.state
         st.healthy_theta = theta.astype(np.float32, copy=True)
         st.theta = st.healthy_theta.copy()
@@ -405,6 +439,27 @@ class AdaptiveModel:
         return self.estimator.estimate(x, self.state, self.seed, index, 0, control=False)
 
     # ----------------------------------------------------------------- internals
+    def _logit_offset(self) -> np.ndarray:
+        """The activation shift's offset [K] on the logits (zero with the shift off)."""
+        if self.shift is None or not self.state.shift_mean.size:
+            return np.zeros(self.metadata.num_classes)
+        return self.shift.offset(self.state.shift_mean, self.state.shift_weight)
+
+    def _serve(self, logits: np.ndarray, features: np.ndarray | None = None) -> np.ndarray:
+        """The logits [B, K] to hand out: shifted by what the samples before this batch
+        taught the activation shift; then ``features`` [B, F] (the served rows', None: no
+        update) enter the shift's window. An owned copy, recorded in ``last``."""
+        served = self.session.owned(logits)
+        if self.shift is not None:
+            served = (served + self._logit_offset()).astype(logits.dtype)
+            if features is not None:
+                st = self.state
+                st.shift_mean, st.shift_weight = self.shift.observe(
+                    st.shift_mean, st.shift_weight, features
+                )
+        self._record(served)
+        return served
+
     def _record(self, prediction: np.ndarray) -> None:
         self.last = StepStats.of(prediction)
 

@@ -12,6 +12,14 @@ def _segments(segments: list[Segment], limit: int) -> list[str]:
     return rows
 
 
+def _source_stats(metadata: ModelMetadata) -> str:
+    if not metadata.has_source_stats:
+        return "no (lambda = 0 only, no activation shift)"
+    if "head_input_mean" in metadata.arrays:
+        return "yes, with the classifier input's mean (activation shift)"
+    return "yes (no classifier-input mean: recalibrate for the ViT's activation shift)"
+
+
 def describe(metadata: ModelMetadata, *, full: bool = False) -> str:
     """A multi-line report of ``metadata``; ``full`` lists every theta segment."""
     pre = metadata.preprocessing
@@ -33,7 +41,7 @@ def describe(metadata: ModelMetadata, *, full: bool = False) -> str:
         ),
         f"shared prefix    {metadata.prefix} (runs once per image)",
         f"features         [R, {metadata.num_features}] from {len(metadata.feature_layout)} taps",
-        f"source stats     {'yes' if metadata.has_source_stats else 'no (lambda = 0 only)'}",
+        f"source stats     {_source_stats(metadata)}",
         f"quantization     {quant.get('scheme', 'none (float32)')}",
         f"recommended      {metadata.recommended or '-'}",
         f"tuned per method {metadata.tuned or '-'}",

@@ -56,6 +56,9 @@ def register(spec: MethodSpec) -> MethodSpec:
 
 for _spec in (
     MethodSpec("noadapt", "engine", 1, "the source model, one forward", adapts=False),
+    MethodSpec("noadapt-shift", "engine", 1,
+               "the source model with FOA's activation shift (no update), one forward",
+               adapts=False, overrides={"activation_shift": 1.0}),
     MethodSpec("eva0", "engine", 2, "EVA-0 (lambda > 0 when the model has source statistics)"),
     MethodSpec("eva0-dagger", "engine", 2, "EVA-0, fully source-free",
                overrides={"lambda_swa": 0.0}),

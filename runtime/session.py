@@ -159,6 +159,7 @@ class AdaptableSession:
                              "profiling")
         if memory_budget_mb is not None and (split is False or one_file or memory_budget_mb <= 0):
             raise ValueError("memory_budget_mb needs split sessions and a positive size")
+        self.path = Path(path)
         self.low_memory = low_memory
         self.providers = resolve_providers(provider)
         options = session_options(threads, profile_prefix)

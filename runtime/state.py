@@ -16,7 +16,7 @@ import io
 import json
 import os
 import zipfile
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +24,16 @@ import numpy as np
 
 from .atomic import atomic_write_bytes
 
-STATE_VERSION = 2
-_ARRAY_FIELDS = (
+STATE_VERSION = 3
+_REQUIRED_ARRAYS = (
     "theta", "anchor", "center", "mean", "second_moment", "velocity", "healthy_theta",
 )
+_OPTIONAL_ARRAYS = ("shift_mean",)  # absent from version-2 files
+_ARRAY_FIELDS = (*_REQUIRED_ARRAYS, *_OPTIONAL_ARRAYS)
 _COUNTS = (  # ints in [0, 2^63)
     "step", "skipped", "seed", "clipped_coefs", "clipped_steps", "guard_trips", "pause_left",
 )
-_WEIGHTS = ("stat_weight", "coef_weight")  # floats in [0, 1]
+_WEIGHTS = ("stat_weight", "coef_weight", "shift_weight")  # floats in [0, 1]
 _MAGNITUDES = ("coef_scale", "balance_in", "balance_out", "anchor_credit")  # finite floats >= 0
 _NPY_HEADER_BYTES = 1024  # an .npy member's header, generously
 _META_BYTES = 1 << 16
@@ -53,6 +55,8 @@ class AdaptState:
     coefficients and of steps cut to the trust radius. healthy_theta: the health guard's last
     healthy checkpoint [P]; guard_trips: its trips; pause_left: samples to predict without
     adapting; frozen: no adaptation until unfrozen (an admin's or the user's switch).
+    shift_mean, shift_weight: the activation shift's windowed test-time mean of the head input
+    [D] (float64; empty until the shift is used) and its weight.
     """
 
     theta: np.ndarray
@@ -76,6 +80,8 @@ class AdaptState:
     step: int = 0
     skipped: int = 0
     seed: int = 0
+    shift_mean: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    shift_weight: float = 0.0
 
     @classmethod
     def initial(cls, theta0: np.ndarray, num_classes: int, num_features: int, seed: int):
@@ -110,7 +116,8 @@ class AdaptState:
     def from_dict(cls, values: dict[str, Any]) -> AdaptState:
         """Build a state from arrays and scalars. Version-1 states (``moments_ready`` instead of
         ``stat_weight``, no coefficient scale, no guard) load: full statistics weigh 1, the
-        scale starts empty, the healthy checkpoint is the state's theta."""
+        scale starts empty, the healthy checkpoint is the state's theta; states without an
+        activation-shift mean (version 2 and older) start it empty."""
         values = dict(values)
         if "moments_ready" in values and "stat_weight" not in values:
             values["stat_weight"] = 1.0 if values.pop("moments_ready") else 0.0
@@ -118,13 +125,14 @@ class AdaptState:
             values["healthy_theta"] = values["theta"]
         names = {f.name for f in fields(cls)}
         optional = {"stat_weight", "coef_scale", "coef_weight", "clipped_coefs", "clipped_steps",
-                    "guard_trips", "pause_left", "frozen"}
+                    "guard_trips", "pause_left", "frozen", "shift_mean", "shift_weight"}
         missing = sorted(set(names) - optional - set(values))
         if missing:
             raise StateError(f"state lacks {missing}")
         kwargs = {k: v for k, v in values.items() if k in names}
         for name in _ARRAY_FIELDS:
-            kwargs[name] = _checked_array(name, kwargs[name])
+            if name in kwargs:
+                kwargs[name] = _checked_array(name, kwargs[name])
         for name in _COUNTS:
             if name in kwargs:
                 kwargs[name] = _checked_count(name, kwargs[name])
@@ -228,7 +236,8 @@ def decode_state(
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as npz:
             meta = json.loads(str(npz["__meta__"]))
-            arrays = {name: npz[name] for name in _ARRAY_FIELDS}
+            present = [n for n in _OPTIONAL_ARRAYS if n in npz.files]
+            arrays = {name: npz[name] for name in (*_REQUIRED_ARRAYS, *present)}
     except (OSError, KeyError, ValueError, zipfile.BadZipFile, json.JSONDecodeError) as err:
         raise StateError(f"unreadable state (truncated or not a state file): {err}") from err
     if meta.get("version", 0) > STATE_VERSION:

@@ -1,0 +1,91 @@
+"""Activation shifting for norm-adapted models (FOA's, Niu et al. 2024, at no extra forward).
+
+The classifier's input is moved toward the source: ``h' = h + s`` with
+``s = strength * (m_source - m_test)``, m_source the mean head input on the calibration images
+(the model file's source statistics) and m_test a windowed mean of the test-time head inputs.
+The head is affine, so the shifted logits are ``logits + W s`` (:mod:`.head`): a [K] offset per
+step, no forward. FOA uses strength 1 and an EMA that gives the new batch of 64 a weight of 0.1,
+i.e. a factor 0.9 per 64 samples; the window here is per sample (:mod:`.rates`), so the same
+W samples count at every batch size (FOA's EMA reads as W = 64 x 1.9 / 0.1 = 1216).
+
+Like FOA, a batch is served with the shift learnt from the samples before it, then its own head
+inputs enter the window. The shift only changes what is served: the adaptation objective sees
+the model's own logits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .head import HeadError, LinearHead, read_head
+from .metadata import ModelMetadata
+from .modelfile import load_onnx
+from .rates import window_factor, windowed_update
+from .session import AdaptableSession
+
+
+def source_head_mean(metadata: ModelMetadata, head: LinearHead) -> np.ndarray:
+    """m_source [D]: the calibrated mean head input (``head_input_mean``), or, where the head
+    reads a feature segment as it is, that segment's source mean. HeadError when the file has
+    neither (run ``eva0-edge calibrate`` again)."""
+    arrays = metadata.arrays
+    if "head_input_mean" in arrays:
+        mean = arrays["head_input_mean"].astype(np.float64)
+        if mean.shape != (head.width,):
+            raise HeadError(f"head_input_mean has shape {mean.shape}, the head reads "
+                            f"{head.width} values")
+        return mean
+    if head.norm is None and metadata.has_source_stats:
+        return arrays["source_mean"][head.segment].astype(np.float64)
+    raise HeadError("activation shifting needs the source mean of the classifier's input: "
+                    "run `eva0-edge calibrate` on this file (it adds head_input_mean)")
+
+
+class ActivationShift:
+    """The shift of one model: ``strength`` (FOA: 1), ``window`` (samples, >= 1), the head and
+    m_source [D]. The test-time mean lives in the adaptation state (``shift_mean`` [D],
+    ``shift_weight``), so it is saved and restored with theta."""
+
+    def __init__(self, head: LinearHead, source_mean: np.ndarray, strength: float,
+                 window: float) -> None:
+        if window < 1:
+            raise ValueError(f"shift_window must be >= 1 sample, got {window}")
+        self.head = head
+        self.source_mean = source_mean
+        self.strength = float(strength)
+        self.factor = window_factor(window)
+
+    def offset(self, test_mean: np.ndarray, weight: float) -> np.ndarray:
+        """The logit offset W s [K] for the test mean [D] of total weight ``weight`` (zero
+        before any sample)."""
+        if weight <= 0:
+            return np.zeros(self.head.bias.shape)
+        return self.head.weight @ (self.strength * (self.source_mean - test_mean))
+
+    def observe(
+        self, test_mean: np.ndarray, weight: float, features: np.ndarray
+    ) -> tuple[np.ndarray, float]:
+        """Add the head inputs of ``features`` [B, F] (stream order) to the window; returns the
+        new (test mean [D], weight)."""
+        current = test_mean if test_mean.size else np.zeros(self.head.width)
+        return windowed_update(current, weight, self.head.head_input(features), self.factor)
+
+
+def load_shift(session: AdaptableSession, strength: float, window: float) -> ActivationShift:
+    """Read the head of ``session``'s file, check it against one forward of a fixed random
+    image at theta0 (not counted as a served forward), and build the shift; HeadError when the
+    file's head cannot be shifted."""
+    metadata = session.metadata
+    head = read_head(load_onnx(session.path), metadata)
+    source_mean = source_head_mean(metadata, head)
+    c, h, w = metadata.preprocessing.input_size
+    x = np.random.default_rng(0).standard_normal((2, c, h, w)).astype(np.float32)
+    counter = session.counter
+    saved = (counter.forwards, counter.samples, counter.ort_seconds)
+    logits, features = session.run(x, np.broadcast_to(metadata.theta0, (2, metadata.num_params)))
+    counter.forwards, counter.samples, counter.ort_seconds = saved
+    if not head.matches(logits.astype(np.float64), features):
+        raise HeadError(f"{session.path}: the classifier read from the graph does not "
+                        "reproduce its logits from its features; activation shifting is "
+                        "not available for this file")
+    return ActivationShift(head, source_mean, strength, window)

@@ -1,0 +1,173 @@
+"""Activation shifting for norm-adapted models: the head read from the graph, the shift's
+statistic, and the shifted logits against numpy on the head weights (shipped models)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from eva0_edge.runtime.engine import AdaptiveModel
+from eva0_edge.runtime.head import LinearHead
+from eva0_edge.runtime.modelfile import load_onnx, read_metadata
+from eva0_edge.runtime.shift import ActivationShift
+from eva0_edge.runtime.state import AdaptState, decode_state, encode_state
+from tests.conftest import uniform_batch
+from tests.test_testbed import SHIPPED
+
+# the shipped files' classifier and final LayerNorm, by their initializer names
+HEAD_NAMES = {
+    "resnet_gn_fmnist": ("model.fc.weight", "model.fc.bias", None),
+    "vit_fmnist": ("model.head.weight", "model.head.bias", "model.norm"),
+}
+
+
+def _initializers(path) -> dict[str, np.ndarray]:
+    graph = onnx.load(str(path)).graph
+    return {t.name: numpy_helper.to_array(t).astype(np.float64) for t in graph.initializer}
+
+
+def _numpy_head_input(path, features: np.ndarray) -> np.ndarray:
+    """The head input computed independently: the last feature segment, layer-normalised with
+    the graph's final LayerNorm for the ViT (epsilon 1e-6, timm's)."""
+    metadata = read_metadata(path)
+    seg = metadata.feature_layout[-1]
+    h = features[:, seg.offset : seg.offset + seg.size].astype(np.float64)
+    norm = HEAD_NAMES[path.stem][2]
+    if norm is None:
+        return h
+    inits = _initializers(path)
+    mu = h.mean(axis=1, keepdims=True)
+    var = h.var(axis=1, keepdims=True)
+    return (h - mu) / np.sqrt(var + 1e-6) * inits[f"{norm}.weight"] + inits[f"{norm}.bias"]
+
+
+@pytest.fixture(params=SHIPPED, ids=lambda p: p.stem)
+def shipped(request):
+    return request.param
+
+
+def test_head_read_from_the_graph_is_the_classifier(shipped) -> None:
+    model = AdaptiveModel.load(shipped, "eva0", {"activation_shift": 1.0}, provider="cpu")
+    head = model.shift.head
+    weight, bias, _ = HEAD_NAMES[shipped.stem]
+    inits = _initializers(shipped)
+    np.testing.assert_array_equal(head.weight, inits[weight])
+    np.testing.assert_array_equal(head.bias, inits[bias])
+    x = uniform_batch(8, seed=3)
+    theta = np.broadcast_to(model.state.theta, (8, model.state.theta.size))
+    logits, features = model.session.run(x, theta)
+    np.testing.assert_allclose(head.head_input(features), _numpy_head_input(shipped, features),
+                               rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(head.logits(features), logits, atol=1e-4)
+
+
+def test_shifted_logits_are_the_head_on_shifted_features(shipped) -> None:
+    model = AdaptiveModel.load(shipped, "eva0", {"activation_shift": 0.7}, provider="cpu")
+    head = model.shift.head
+    rng = np.random.default_rng(1)
+    test_mean = model.shift.source_mean + rng.normal(0, 0.3, head.width)
+    model.state.shift_mean, model.state.shift_weight = test_mean, 0.5
+    x = uniform_batch(6, seed=4)
+    served = model.predict(x)
+    _, features = model.session.run(x, np.broadcast_to(model.state.theta,
+                                                       (6, model.state.theta.size)))
+    moved = _numpy_head_input(shipped, features) + 0.7 * (model.shift.source_mean - test_mean)
+    weight, bias, _ = HEAD_NAMES[shipped.stem]
+    inits = _initializers(shipped)
+    np.testing.assert_allclose(served, moved @ inits[weight].T + inits[bias], atol=1e-4)
+    assert model.state.shift_weight == 0.5  # predict serves, it does not learn
+
+
+def test_zero_shift_leaves_logits_unchanged(shipped) -> None:
+    shifted = AdaptiveModel.load(shipped, "eva0", {"activation_shift": 1.0}, provider="cpu")
+    plain = AdaptiveModel.load(shipped, "eva0", provider="cpu")
+    x = uniform_batch(16, seed=5)
+    np.testing.assert_array_equal(shifted.step(x), plain.step(x))  # nothing seen yet: no shift
+    shifted.state.shift_mean = shifted.shift.source_mean.copy()  # test mean = source mean
+    np.testing.assert_allclose(shifted.predict(x), plain.predict(x), atol=1e-6)
+
+
+def test_shift_is_source_mean_minus_windowed_test_mean() -> None:
+    rng = np.random.default_rng(0)
+    width, classes, window = 5, 3, 40.0
+    head = LinearHead(rng.normal(size=(classes, width)), rng.normal(size=classes), slice(2, 7))
+    source = rng.normal(size=width)
+    shift = ActivationShift(head, source, strength=1.0, window=window)
+    features = rng.normal(2.0, 1.0, (30, 9))
+    one_batch = shift.observe(np.zeros(0), 0.0, features)
+    mean, weight = np.zeros(0), 0.0
+    for row in features:  # the same samples one per batch
+        mean, weight = shift.observe(mean, weight, row[None])
+    np.testing.assert_allclose(mean, one_batch[0], rtol=1e-12)
+    assert weight == pytest.approx(one_batch[1])
+    a = 1 - 2 / (window + 1)  # the bias-corrected EMA by hand
+    raw = np.zeros(width)
+    for row in features[:, 2:7]:
+        raw = a * raw + (1 - a) * row
+    np.testing.assert_allclose(mean, raw / (1 - a ** len(features)), rtol=1e-12)
+    np.testing.assert_allclose(shift.offset(mean, weight), head.weight @ (source - mean))
+    np.testing.assert_array_equal(shift.offset(mean, 0.0), np.zeros(classes))
+
+
+def test_noadapt_shift_learns_the_stream_at_one_forward() -> None:
+    resnet = SHIPPED[1]
+    shifted = AdaptiveModel.load(resnet, "noadapt-shift", provider="cpu")
+    plain = AdaptiveModel.load(resnet, "noadapt", provider="cpu")
+    x = uniform_batch(32, seed=6)
+    for i in range(0, 32, 8):
+        out, ref = shifted.step(x[i : i + 8]), plain.step(x[i : i + 8])
+        assert (i == 0) == np.array_equal(out, ref)
+    assert shifted.stats()["forwards_per_sample"] == 1.0
+    assert shifted.state.shift_weight > 0 and shifted.state.step == 0
+    shifted.freeze()
+    before = shifted.state.shift_mean.copy()
+    shifted.step(x[:8])
+    np.testing.assert_array_equal(shifted.state.shift_mean, before)
+
+
+def test_state_keeps_the_shift_and_older_states_load(shipped) -> None:
+    model = AdaptiveModel.load(shipped, "eva0", {"activation_shift": 1.0}, provider="cpu")
+    x = uniform_batch(32, seed=7)
+    model.step(x[:16])
+    again = AdaptiveModel.load(shipped, "eva0", {"activation_shift": 1.0}, provider="cpu")
+    again.load_state_bytes(model.state_bytes())
+    np.testing.assert_array_equal(again.state.shift_mean, model.state.shift_mean)
+    np.testing.assert_array_equal(again.step(x[16:]), model.step(x[16:]))
+    state = AdaptState.initial(model.metadata.theta0, model.metadata.num_classes,
+                               model.metadata.num_features, 0)
+    data = encode_state(state, model.fingerprint, {})
+    values, _ = decode_state(data)
+    older = {k: v for k, v in values.to_dict().items() if k not in ("shift_mean", "shift_weight")}
+    restored = AdaptState.from_dict(older)
+    assert restored.shift_mean.size == 0 and restored.shift_weight == 0.0
+    again.load_state_dict(older)
+    again.step(x[:8])
+    assert again.state.shift_mean.shape == (model.shift.head.width,)
+
+
+def test_calibrate_writes_the_head_input_mean(small_vit, tmp_path) -> None:
+    import shutil
+
+    from eva0_edge.runtime.calibrate import calibrate_with_images
+    from eva0_edge.runtime.preprocess import preprocess_uint8
+    from eva0_edge.runtime.session import AdaptableSession
+
+    path = tmp_path / "vit.onnx"
+    shutil.copyfile(small_vit.onnx_path, path)
+    images = np.random.default_rng(0).integers(0, 256, (40, 32, 32, 3), dtype=np.uint8)
+    calibrate_with_images(path, images, batch_size=16)
+    metadata = read_metadata(load_onnx(path))
+    session = AdaptableSession(path, metadata, "cpu")
+    x = preprocess_uint8(images, metadata.preprocessing)
+    _, features = session.run(x, np.broadcast_to(metadata.theta0, (40, metadata.num_params)))
+    seg = metadata.feature_layout[-1]
+    h = features[:, seg.offset : seg.offset + seg.size].astype(np.float64)
+    graph = onnx.load(str(path)).graph
+    gather = next(n for n in graph.node if n.output[0] == graph.node[-2].input[0])
+    norm = next(n for n in graph.node if n.output[0] == gather.input[0])  # the final LayerNorm
+    inits = _initializers(path)
+    h = (h - h.mean(1, keepdims=True)) / np.sqrt(h.var(1, keepdims=True) + 1e-6)
+    expected = (h * inits[norm.input[1]] + inits[norm.input[2]]).mean(axis=0)
+    np.testing.assert_allclose(metadata.arrays["head_input_mean"], expected, atol=1e-5)
