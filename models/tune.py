@@ -19,7 +19,8 @@ runtime methods, the batch-64 ``lr`` for TENT / SAR / DeYO, which scale it with 
 their authors' code does); ``make tune`` gives every runtime method the grid eva0 had. While the
 best sits on an edge of the grid, the next point past it is scored too (at most ``--extend``,
 2). ``--write`` stores the winner in the model file's ``tuned`` values for that method (and, for
-eva0, in ``recommended``). The log goes to ``models/<name>.tune-<method>.json``.
+eva0, in ``recommended``, except the activation shift, which stays eva0's own). The log goes
+to ``models/<name>.tune-<method>.json``.
 
 ``--method eva0-clubs`` tunes the black-box prompt method on the model's prompt variant
 (``bench.prompt_variant``) at one batch size, as before: its log is
@@ -46,6 +47,7 @@ from eva0_edge.runtime.modelfile import load_onnx, read_metadata, save_onnx, set
 
 PROTOCOLS = ("single", "continual")
 SCALES = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
+EVA0_ONLY = {"activation_shift", "shift_window"}
 
 
 def current_values(model: str, method: str) -> dict[str, float]:
@@ -140,8 +142,9 @@ def write_choice(model_path: str, method: str, values: dict[str, Any]) -> None:
     model = load_onnx(model_path)
     metadata = read_metadata(model)
     metadata.tuned = {**metadata.tuned, method: {**metadata.tuned.get(method, {}), **values}}
-    if method == "eva0":
-        metadata.recommended = {**metadata.recommended, **values}
+    if method == "eva0":  # the activation shift stays eva0's: NoAdapt and the peers read
+        shared = {k: v for k, v in values.items() if k not in EVA0_ONLY}  # recommended too
+        metadata.recommended = {**metadata.recommended, **shared}
     save_onnx(set_metadata(model, metadata), model_path)
 
 
