@@ -47,7 +47,7 @@ from eva0_edge.runtime.modelfile import load_onnx, read_metadata, save_onnx, set
 
 PROTOCOLS = ("single", "continual")
 SCALES = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
-EVA0_ONLY = {"activation_shift", "shift_window"}
+EVA0_ONLY = {"activation_shift", "shift_window", "shift_max"}
 
 
 def current_values(model: str, method: str) -> dict[str, float]:

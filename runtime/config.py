@@ -54,7 +54,8 @@ class AdaptConfig:
     Activation shift (:mod:`shift`, FOA's, at no forward): the served logits are the head
     applied to its input moved by ``activation_shift`` x (source mean - test mean) of the head
     input (0 = off; FOA: 1), the test mean a window of the last ``shift_window`` samples (FOA's
-    EMA: 1216). Needs the file's source statistics.
+    EMA: 1216); ``shift_max``: the window restarts, unshifted, when ||source mean - test mean||
+    exceeds it (None = unbounded). Needs the file's source statistics.
     """
 
     mu: float = 0.06
@@ -94,6 +95,7 @@ class AdaptConfig:
     guard_alignment_max: float | None = None
     activation_shift: float = 0.0
     shift_window: float = 1216.0
+    shift_max: float | None = None
     eps: float = 1e-8
     delta: float = 1e-8
 

@@ -6,7 +6,8 @@ One step on a batch x [B, C, H, W]:
    ``forwards`` = 2q > 2, q of them per sample (or q shared ones);
 2. one ORT call over 2B rows: [theta + mu z; theta - mu z] (two-sided) or [theta; theta + mu z]
    (one-sided), the prefix shared inside the graph (2qB rows for q pairs);
-3. prediction: the mean of the two sides (of all 2q rows) or the clean row (one-sided);
+3. prediction: the mean of the two sides (of all 2q rows) or the clean row (one-sided),
+   moved by the activation shift's logit offset when it is on (:mod:`.shift`, no forward);
 4. per-side loss E_SR(o) + lambda l_SWA(h); coefficients c_i = (l+_i - l-_i) / (2 mu), each
    clipped at a multiple of their running scale; g = (1/B) sum_i c_i z_i (over the qB pairs);
 5. theta <- (1 - gamma) (theta - eta g) + gamma theta_anchor, the step cut to a trust radius;
@@ -106,7 +107,8 @@ class AdaptiveModel:
             session, self.config, Objective(self.config, self._source_stats)
         )
         self.shift: ActivationShift | None = (
-            load_shift(session, self.config.activation_shift, self.config.shift_window)
+            load_shift(session, self.config.activation_shift, self.config.shift_window,
+                       self.config.shift_max)
             if self.config.activation_shift > 0 else None
         )
         self.seed = int(seed)
@@ -285,6 +287,7 @@ class AdaptiveModel:
             "activation_shift": None if self.shift is None else {
                 "strength": self.shift.strength,
                 "samples_weight": self.state.shift_weight,
+                "restarts": self.shift.restarts,
                 "logit_offset_norm": float(np.linalg.norm(self._logit_offset())),
             },
             "guard": None if self.guard is None else {
@@ -403,7 +406,10 @@ class AdaptiveModel:
     def _end_pause(self, guard: HealthGuard, dueled: bool) -> None:
         st, cfg = self.state, self.config
         what = "audit" if guard.auditing else "pause"
+        held = guard.holding
         verdict = guard.pause_verdict(dueled, min(guard.warmup, cfg.guard_pause))
+        if held and verdict != "hold":
+            st.shift_weight = 0.0  # the activation shift's window saw a stream theta0 fails on
         if verdict != "checkpoint" and dueled:
             self._roll_back(self.metadata.theta0)
         if verdict == "hold":

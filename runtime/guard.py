@@ -161,6 +161,7 @@ class HealthGuard:
         self.since_rollback: int | None = None
         self.last_reason: str | None = None
         self.verdicts = dict.fromkeys(VERDICTS, 0)
+        self.holding = False  # the last pause verdict was "hold": a stream theta0 fails on
         self.auditing = False
         self.audits = 0
         self.last_duel: tuple[float | None, float | None] = (None, None)
@@ -228,6 +229,7 @@ class HealthGuard:
         else:
             verdict = "theta0" if healthy(self.windows, self.features) else "hold"
         self.verdicts[verdict] += 1
+        self.holding = verdict == "hold"
         self.auditing = False
         self.since_audit = 0
         self.restart_windows()

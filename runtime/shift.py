@@ -11,6 +11,13 @@ W samples count at every batch size (FOA's EMA reads as W = 64 x 1.9 / 0.1 = 121
 Like FOA, a batch is served with the shift learnt from the samples before it, then its own head
 inputs enter the window. The shift only changes what is served: the adaptation objective sees
 the model's own logits.
+
+``shift_max`` bounds what the shift acts on: when ||m_source - m_test|| exceeds it (a stream far
+from every corruption the bound was learnt on: black frames, white frames, noise) the window
+restarts empty and nothing is shifted, so such a stream leaves nothing behind for the images
+that follow it. With a bound, a window is checked and served only once it holds
+``BOUND_SAMPLES`` (64) samples' weight: one image is far from any mean. The shipped files learn
+the bound on the validation corruptions (``models/shift_bound.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from .metadata import ModelMetadata
 from .modelfile import load_onnx
 from .rates import window_factor, windowed_update
 from .session import AdaptableSession
+
+BOUND_SAMPLES = 64
 
 
 def source_head_mean(metadata: ModelMetadata, head: LinearHead) -> np.ndarray:
@@ -47,18 +56,23 @@ class ActivationShift:
     ``shift_weight``), so it is saved and restored with theta."""
 
     def __init__(self, head: LinearHead, source_mean: np.ndarray, strength: float,
-                 window: float) -> None:
+                 window: float, max_distance: float | None = None) -> None:
         if window < 1:
             raise ValueError(f"shift_window must be >= 1 sample, got {window}")
+        if max_distance is not None and max_distance <= 0:
+            raise ValueError(f"shift_max must be > 0 (or None: unbounded), got {max_distance}")
         self.head = head
         self.source_mean = source_mean
         self.strength = float(strength)
         self.factor = window_factor(window)
+        self.max_distance = max_distance
+        self.checked_weight = 0.0 if max_distance is None else 1 - self.factor**BOUND_SAMPLES
+        self.restarts = 0
 
     def offset(self, test_mean: np.ndarray, weight: float) -> np.ndarray:
         """The logit offset W s [K] for the test mean [D] of total weight ``weight`` (zero
         before any sample)."""
-        if weight <= 0:
+        if weight <= 0 or weight < self.checked_weight:
             return np.zeros(self.head.bias.shape)
         return self.head.weight @ (self.strength * (self.source_mean - test_mean))
 
@@ -66,12 +80,21 @@ class ActivationShift:
         self, test_mean: np.ndarray, weight: float, features: np.ndarray
     ) -> tuple[np.ndarray, float]:
         """Add the head inputs of ``features`` [B, F] (stream order) to the window; returns the
-        new (test mean [D], weight)."""
+        new (test mean [D], weight): empty (weight 0) when the mean ends up beyond
+        ``max_distance`` from the source's."""
         current = test_mean if test_mean.size else np.zeros(self.head.width)
-        return windowed_update(current, weight, self.head.head_input(features), self.factor)
+        mean, weight = windowed_update(current, weight, self.head.head_input(features),
+                                       self.factor)
+        if self.max_distance is not None and weight >= self.checked_weight and \
+                np.linalg.norm(self.source_mean - mean) > self.max_distance:
+            self.restarts += 1
+            return np.zeros(self.head.width), 0.0
+        return mean, weight
 
 
-def load_shift(session: AdaptableSession, strength: float, window: float) -> ActivationShift:
+def load_shift(
+    session: AdaptableSession, strength: float, window: float, max_distance: float | None = None
+) -> ActivationShift:
     """Read the head of ``session``'s file, check it against one forward of a fixed random
     image at theta0 (not counted as a served forward), and build the shift; HeadError when the
     file's head cannot be shifted."""
@@ -88,4 +111,4 @@ def load_shift(session: AdaptableSession, strength: float, window: float) -> Act
         raise HeadError(f"{session.path}: the classifier read from the graph does not "
                         "reproduce its logits from its features; activation shifting is "
                         "not available for this file")
-    return ActivationShift(head, source_mean, strength, window)
+    return ActivationShift(head, source_mean, strength, window, max_distance)

@@ -229,3 +229,22 @@ def test_an_audit_hands_a_theta_far_from_the_source_back_to_theta0(clean):
         model.step(x[i : i + 16])
     assert model.stats()["guard"]["pause_verdicts"]["theta0"] >= 1
     assert model.stats()["guard"]["trips"] == 0
+
+
+def test_the_activation_shift_forgets_a_stream_the_guard_held_on(clean):
+    """Unbounded shift (no shift_max): its window learns the black frames while the guard
+    holds, and restarts when the hold ends, so the clean images after are not moved by them."""
+    x, _ = clean
+    model = AdaptiveModel.load(RESNET, "eva0", {"activation_shift": 1.0, "shift_max": None},
+                               threads=1)
+    black = np.repeat(x[:1] * 0 + x.min(), 16, axis=0)
+    for _ in range(64):
+        model.step(black)
+    assert model.stats()["guard"]["pause_verdicts"]["hold"] >= 2
+    assert model.state.shift_weight > 0.9
+    for i in range(0, 1024, 16):
+        model.step(x[i : i + 16])
+        if model.stats()["guard"]["pause_verdicts"]["theta0"]:
+            break
+    assert model.stats()["guard"]["pause_verdicts"]["theta0"] == 1
+    assert model.state.shift_weight == 0.0

@@ -171,3 +171,22 @@ def test_calibrate_writes_the_head_input_mean(small_vit, tmp_path) -> None:
     h = (h - h.mean(1, keepdims=True)) / np.sqrt(h.var(1, keepdims=True) + 1e-6)
     expected = (h * inits[norm.input[1]] + inits[norm.input[2]]).mean(axis=0)
     np.testing.assert_allclose(metadata.arrays["head_input_mean"], expected, atol=1e-5)
+
+
+def test_a_stream_beyond_the_bound_restarts_the_window_unshifted() -> None:
+    rng = np.random.default_rng(2)
+    head = LinearHead(rng.normal(size=(3, 4)), np.zeros(3), slice(0, 4))
+    source = np.zeros(4)
+    shift = ActivationShift(head, source, strength=1.0, window=256.0, max_distance=1.0)
+    mean, weight = np.zeros(0), 0.0
+    for _ in range(100):  # far from the source: never served, restarted once checkable
+        mean, weight = shift.observe(mean, weight, rng.normal(5.0, 0.1, (1, 4)))
+        assert not shift.offset(mean, weight).any()
+    assert shift.restarts >= 1
+    for _ in range(160):  # near: what is left of the far stream restarts once more, then the
+        mean, weight = shift.observe(mean, weight, rng.normal(0.3, 0.1, (1, 4)))  # near window
+        served = shift.offset(mean, weight)  # is served once it holds 64 samples
+        assert served.any() == (weight >= shift.checked_weight)
+    assert shift.restarts >= 2 and served.any()
+    np.testing.assert_allclose(served, head.weight @ (source - mean))
+    assert np.linalg.norm(mean - 0.3) < 0.1

@@ -1,0 +1,71 @@
+"""Recipe: learn the activation shift's bound ``shift_max`` for a shipped model on the
+*validation* split.
+
+    python models/shift_bound.py --model models/resnet_gn_fmnist.onnx --write
+
+For each validation domain (the 15 corruptions at severity 5 and the clean images, ``--limit``
+images each) the distance ||m_source - m_domain|| between the source's mean head input and the
+domain's, at theta0: the largest shift a healthy stream asks for. The bound is the largest
+distance times ``--margin`` (1.5). A stream beyond it (black, white or noise frames) restarts
+the shift's window and is served unshifted (:mod:`eva0_edge.runtime.shift`). ``--write``
+stores it in eva0's tuned values; the log goes to ``models/<name>.shift-bound.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+from tune import write_choice
+
+from eva0_edge.bench.corruptions import CORRUPTIONS
+from eva0_edge.bench.datasets import CLEAN, fmnist_c_domains
+from eva0_edge.runtime.preprocess import preprocess_uint8
+from eva0_edge.runtime.session import AdaptableSession
+from eva0_edge.runtime.shift import load_shift
+
+
+def domain_distances(model: str, limit: int, severity: int) -> dict[str, float]:
+    """||m_source - m_domain|| [head-input units] per validation domain, at theta0."""
+    session = AdaptableSession(model, None, "cpu", threads=1)
+    shift = load_shift(session, 1.0, 1.0)
+    metadata = session.metadata
+    domains = fmnist_c_domains(severity, "val", corruptions=[*CORRUPTIONS, CLEAN],
+                               indices=np.arange(limit), progress=False)
+    distances = {}
+    for domain in domains:
+        total = np.zeros(shift.head.width)
+        for start in range(0, len(domain), 250):
+            x = preprocess_uint8(domain.images[start : start + 250], metadata.preprocessing)
+            theta = np.broadcast_to(metadata.theta0, (len(x), metadata.num_params))
+            _, features = session.run(x, theta)
+            total += shift.head.head_input(features).sum(axis=0)
+        distances[domain.name] = float(np.linalg.norm(shift.source_mean - total / len(domain)))
+    return distances
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--limit", type=int, default=1000, help="images per domain")
+    parser.add_argument("--severity", type=int, default=5)
+    parser.add_argument("--margin", type=float, default=1.5)
+    parser.add_argument("--write", action="store_true", help="store it in eva0's tuned values")
+    args = parser.parse_args()
+    distances = domain_distances(args.model, args.limit, args.severity)
+    bound = float(f"{max(distances.values()) * args.margin:.4g}")
+    log = {"model": Path(args.model).name, "split": "val", "severity": args.severity,
+           "limit": args.limit, "margin": args.margin, "distances": distances,
+           "shift_max": bound}
+    out = Path(args.model).with_name(f"{Path(args.model).stem}.shift-bound.json")
+    out.write_text(json.dumps(log, indent=2) + "\n")
+    if args.write:
+        write_choice(args.model, "eva0", {"shift_max": bound})
+    print(f"shift_max {bound} (largest validation distance {max(distances.values()):.3g} x "
+          f"{args.margin}) -> log {out}")
+
+
+if __name__ == "__main__":
+    main()
