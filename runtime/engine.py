@@ -207,17 +207,18 @@ class AdaptiveModel:
             "healthy_theta": md.num_params,
             "center": md.num_classes, "mean": md.num_features, "second_moment": md.num_features,
             "shift_mean": md.num_features,  # at most: the head input is one feature segment
+            "shift_recent": md.num_features,
         }
 
     def _check_shapes(self, state: AdaptState) -> None:
         sizes = self._state_sizes()
-        shift_size = state.shift_mean.size
-        if shift_size > sizes.pop("shift_mean") or (
-            self.shift is not None and shift_size not in (0, self.shift.head.width)
-        ):
-            raise StateError(f"state shift_mean has {shift_size} values; this model's head "
-                             "input has " + (f"{self.shift.head.width}" if self.shift else
-                                             "fewer"))
+        for name in ("shift_mean", "shift_recent"):
+            size = getattr(state, name).size
+            if size > sizes.pop(name) or (
+                self.shift is not None and size not in (0, self.shift.head.width)
+            ):
+                raise StateError(f"state {name} has {size} values; this model's head input "
+                                 "has " + (f"{self.shift.head.width}" if self.shift else "fewer"))
         for name, size in sizes.items():
             if getattr(state, name).shape != (size,):
                 raise StateError(
@@ -288,6 +289,7 @@ class AdaptiveModel:
                 "strength": self.shift.strength,
                 "samples_weight": self.state.shift_weight,
                 "restarts": self.shift.restarts,
+                "stream_changes": self.shift.changes,
                 "logit_offset_norm": float(np.linalg.norm(self._logit_offset())),
             },
             "guard": None if self.guard is None else {
@@ -408,8 +410,8 @@ class AdaptiveModel:
         what = "audit" if guard.auditing else "pause"
         held = guard.holding
         verdict = guard.pause_verdict(dueled, min(guard.warmup, cfg.guard_pause))
-        if held and verdict != "hold":
-            st.shift_weight = 0.0  # the activation shift's window saw a stream theta0 fails on
+        if held and verdict != "hold" and self.shift is not None:
+            self.shift.restart(st)  # its windows saw a stream theta0 fails on
         if verdict != "checkpoint" and dueled:
             self._roll_back(self.metadata.theta0)
         if verdict == "hold":
@@ -447,9 +449,9 @@ class AdaptiveModel:
     # ----------------------------------------------------------------- internals
     def _logit_offset(self) -> np.ndarray:
         """The activation shift's offset [K] on the logits (zero with the shift off)."""
-        if self.shift is None or not self.state.shift_mean.size:
+        if self.shift is None:
             return np.zeros(self.metadata.num_classes)
-        return self.shift.offset(self.state.shift_mean, self.state.shift_weight)
+        return self.shift.offset(self.state)
 
     def _serve(self, logits: np.ndarray, features: np.ndarray | None = None) -> np.ndarray:
         """The logits [B, K] to hand out: shifted by what the samples before this batch
@@ -459,10 +461,7 @@ class AdaptiveModel:
         if self.shift is not None:
             served = (served + self._logit_offset()).astype(logits.dtype)
             if features is not None:
-                st = self.state
-                st.shift_mean, st.shift_weight = self.shift.observe(
-                    st.shift_mean, st.shift_weight, features
-                )
+                self.shift.observe(self.state, features)
         self._record(served)
         return served
 

@@ -29,8 +29,11 @@ from .metadata import ModelMetadata
 from .modelfile import load_onnx
 from .rates import window_factor, windowed_update
 from .session import AdaptableSession
+from .state import AdaptState
 
 BOUND_SAMPLES = 64
+RECENT_SAMPLES = 32
+CHANGE_Z = 3.0
 
 
 def source_head_mean(metadata: ModelMetadata, head: LinearHead) -> np.ndarray:
@@ -51,9 +54,20 @@ def source_head_mean(metadata: ModelMetadata, head: LinearHead) -> np.ndarray:
 
 
 class ActivationShift:
-    """The shift of one model: ``strength`` (FOA: 1), ``window`` (samples, >= 1), the head and
-    m_source [D]. The test-time mean lives in the adaptation state (``shift_mean`` [D],
-    ``shift_weight``), so it is saved and restored with theta."""
+    """The shift of one model: ``strength`` (FOA: 1), ``window`` (samples, >= 1), the head,
+    m_source [D] and the bound. Its windows live in the adaptation state (``shift_*`` fields of
+    :class:`~.state.AdaptState`), so they are saved and restored with theta.
+
+    Two windows of the head input: the long one (``window`` samples) is what the shift uses;
+    a recent one of ``RECENT_SAMPLES`` (32) watches for a change of stream. When the recent mean
+    is more than ``CHANGE_Z`` (3) of its own standard errors from the long mean (in the long
+    window's total variance: z^2 = ||m_recent - m_long||^2 R / var), the long window restarts
+    empty and refills from the samples that follow: after black or noise frames (no variance,
+    or another mean) the shift follows the images that come next within tens of samples
+    instead of a window's length, and a new corruption in a continual stream gets its own
+    shift as soon. A window is served once it holds ``RECENT_SAMPLES`` samples' weight
+    (``BOUND_SAMPLES`` with a bound): a mean of fewer images is mostly their own noise.
+    """
 
     def __init__(self, head: LinearHead, source_mean: np.ndarray, strength: float,
                  window: float, max_distance: float | None = None) -> None:
@@ -65,31 +79,61 @@ class ActivationShift:
         self.source_mean = source_mean
         self.strength = float(strength)
         self.factor = window_factor(window)
+        self.recent_factor = window_factor(min(RECENT_SAMPLES, window))
         self.max_distance = max_distance
-        self.checked_weight = 0.0 if max_distance is None else 1 - self.factor**BOUND_SAMPLES
+        self.checked_weight = 1 - self.factor ** (
+            RECENT_SAMPLES if max_distance is None else BOUND_SAMPLES)
         self.restarts = 0
+        self.changes = 0
 
-    def offset(self, test_mean: np.ndarray, weight: float) -> np.ndarray:
-        """The logit offset W s [K] for the test mean [D] of total weight ``weight`` (zero
-        before any sample)."""
-        if weight <= 0 or weight < self.checked_weight:
+    def offset(self, state: AdaptState) -> np.ndarray:
+        """The logit offset W s [K] for the state's test mean (zero until the window holds
+        ``RECENT_SAMPLES`` samples, ``BOUND_SAMPLES`` with a bound)."""
+        weight = state.shift_weight
+        if not state.shift_mean.size or weight <= 0 or weight < self.checked_weight:
             return np.zeros(self.head.bias.shape)
-        return self.head.weight @ (self.strength * (self.source_mean - test_mean))
+        return self.head.weight @ (self.strength * (self.source_mean - state.shift_mean))
 
-    def observe(
-        self, test_mean: np.ndarray, weight: float, features: np.ndarray
-    ) -> tuple[np.ndarray, float]:
-        """Add the head inputs of ``features`` [B, F] (stream order) to the window; returns the
-        new (test mean [D], weight): empty (weight 0) when the mean ends up beyond
-        ``max_distance`` from the source's."""
-        current = test_mean if test_mean.size else np.zeros(self.head.width)
-        mean, weight = windowed_update(current, weight, self.head.head_input(features),
-                                       self.factor)
-        if self.max_distance is not None and weight >= self.checked_weight and \
-                np.linalg.norm(self.source_mean - mean) > self.max_distance:
+    def restart(self, state: AdaptState) -> None:
+        """Empty both windows."""
+        state.shift_weight = state.shift_recent_weight = 0.0
+
+    def observe(self, state: AdaptState, features: np.ndarray) -> None:
+        """Add the head inputs of ``features`` [B, F] (stream order) to both windows; empty the
+        long one on a change of stream, and both when the mean is beyond ``max_distance`` from
+        the source's."""
+        h = self.head.head_input(features)
+        squares = (h**2).sum(axis=1, keepdims=True)
+        st, width = state, self.head.width
+        if not st.shift_mean.size or st.shift_weight == 0:
+            st.shift_mean, st.shift_sq, st.shift_weight = np.zeros(width), 0.0, 0.0
+        if not st.shift_recent.size or st.shift_recent_weight == 0:
+            st.shift_recent, st.shift_recent_sq, st.shift_recent_weight = np.zeros(width), 0.0, 0.0
+        moments = np.concatenate([h, squares], axis=1)
+        long_before, recent_before = st.shift_weight, st.shift_recent_weight
+        long, st.shift_weight = windowed_update(
+            np.append(st.shift_mean, st.shift_sq), long_before, moments, self.factor)
+        recent, st.shift_recent_weight = windowed_update(
+            np.append(st.shift_recent, st.shift_recent_sq), recent_before, moments,
+            self.recent_factor)
+        st.shift_mean, st.shift_sq = long[:-1], float(long[-1])
+        st.shift_recent, st.shift_recent_sq = recent[:-1], float(recent[-1])
+        if self._changed(st):
+            self.changes += 1
+            st.shift_weight = 0.0
+        elif self.max_distance is not None and st.shift_weight >= self.checked_weight and \
+                np.linalg.norm(self.source_mean - st.shift_mean) > self.max_distance:
             self.restarts += 1
-            return np.zeros(self.head.width), 0.0
-        return mean, weight
+            self.restart(st)
+
+    def _changed(self, st: AdaptState) -> bool:
+        full = 1.0 - self.recent_factor**RECENT_SAMPLES
+        if st.shift_recent_weight < full or st.shift_weight < 1.0 - self.factor**RECENT_SAMPLES:
+            return False
+        variance = max(st.shift_sq - float(st.shift_mean @ st.shift_mean), 0.0)
+        gap = float(((st.shift_recent - st.shift_mean) ** 2).sum())
+        floor = 1e-12 * (1.0 + float(st.shift_mean @ st.shift_mean))
+        return gap * RECENT_SAMPLES > CHANGE_Z**2 * (variance + floor)
 
 
 def load_shift(

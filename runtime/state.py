@@ -28,13 +28,15 @@ STATE_VERSION = 3
 _REQUIRED_ARRAYS = (
     "theta", "anchor", "center", "mean", "second_moment", "velocity", "healthy_theta",
 )
-_OPTIONAL_ARRAYS = ("shift_mean",)  # absent from version-2 files
+_OPTIONAL_ARRAYS = ("shift_mean", "shift_recent")  # absent from version-2 files
 _ARRAY_FIELDS = (*_REQUIRED_ARRAYS, *_OPTIONAL_ARRAYS)
 _COUNTS = (  # ints in [0, 2^63)
     "step", "skipped", "seed", "clipped_coefs", "clipped_steps", "guard_trips", "pause_left",
 )
-_WEIGHTS = ("stat_weight", "coef_weight", "shift_weight")  # floats in [0, 1]
-_MAGNITUDES = ("coef_scale", "balance_in", "balance_out", "anchor_credit")  # finite floats >= 0
+_WEIGHTS = ("stat_weight", "coef_weight", "shift_weight", "shift_recent_weight")  # floats in [0, 1]
+_MAGNITUDES = (
+    "coef_scale", "balance_in", "balance_out", "anchor_credit", "shift_sq", "shift_recent_sq",
+)  # finite floats >= 0
 _NPY_HEADER_BYTES = 1024  # an .npy member's header, generously
 _META_BYTES = 1 << 16
 
@@ -55,8 +57,9 @@ class AdaptState:
     coefficients and of steps cut to the trust radius. healthy_theta: the health guard's last
     healthy checkpoint [P]; guard_trips: its trips; pause_left: samples to predict without
     adapting; frozen: no adaptation until unfrozen (an admin's or the user's switch).
-    shift_mean, shift_weight: the activation shift's windowed test-time mean of the head input
-    [D] (float64; empty until the shift is used) and its weight.
+    shift_mean, shift_sq, shift_weight: the activation shift's windowed test-time mean of the
+    head input [D] (float64; empty until the shift is used), mean squared norm and weight;
+    shift_recent, shift_recent_sq, shift_recent_weight: the same over its short change window.
     """
 
     theta: np.ndarray
@@ -81,7 +84,11 @@ class AdaptState:
     skipped: int = 0
     seed: int = 0
     shift_mean: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    shift_sq: float = 0.0
     shift_weight: float = 0.0
+    shift_recent: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    shift_recent_sq: float = 0.0
+    shift_recent_weight: float = 0.0
 
     @classmethod
     def initial(cls, theta0: np.ndarray, num_classes: int, num_features: int, seed: int):
@@ -125,7 +132,8 @@ class AdaptState:
             values["healthy_theta"] = values["theta"]
         names = {f.name for f in fields(cls)}
         optional = {"stat_weight", "coef_scale", "coef_weight", "clipped_coefs", "clipped_steps",
-                    "guard_trips", "pause_left", "frozen", "shift_mean", "shift_weight"}
+                    "guard_trips", "pause_left", "frozen", "shift_mean", "shift_weight",
+                    "shift_sq", "shift_recent", "shift_recent_sq", "shift_recent_weight"}
         missing = sorted(set(names) - optional - set(values))
         if missing:
             raise StateError(f"state lacks {missing}")

@@ -147,7 +147,8 @@ def test_the_pause_duels_the_checkpoint_against_theta0_and_keeps_a_healthy_one(c
     sample), theta0's logits are served; on clean images the checkpoint is healthy and
     adaptation resumes from it."""
     x, _ = clean
-    model = AdaptiveModel.load(RESNET, "eva0", {"guard_drift_max": 5.0}, threads=1)
+    model = AdaptiveModel.load(RESNET, "eva0", {"guard_drift_max": 5.0, "activation_shift": 0.0},
+                               threads=1)  # theta0's own logits are served (no shift on them)
     source = AdaptiveModel.load(RESNET, "noadapt", threads=1)
     for i in range(0, 640, 16):
         model.step(x[i : i + 16])
@@ -201,12 +202,13 @@ def test_a_stream_that_breaks_the_source_too_holds_at_theta0_until_it_ends(clean
 
 def test_an_audit_serves_the_current_theta_and_keeps_it_on_the_stream_it_learnt(clean):
     x, _ = clean
-    model = AdaptiveModel.load(RESNET, "eva0", {"guard_audit": 512}, threads=1)
+    unshifted = {"activation_shift": 0.0}  # the served logits are the duelled theta's own
+    model = AdaptiveModel.load(RESNET, "eva0", {"guard_audit": 512, **unshifted}, threads=1)
     for i in range(0, 512, 16):
         model.step(x[i : i + 16])
     assert model.stats()["guard"]["audits"] == 1 and model.stats()["paused_samples_left"] > 0
     theta = model.state.theta.copy()
-    current = AdaptiveModel.load(RESNET, "eva0", threads=1)
+    current = AdaptiveModel.load(RESNET, "eva0", unshifted, threads=1)
     current.state.theta = theta.copy()
     forwards = model.stats()["forwards"]
     for i in range(512, 512 + model.config.guard_warmup, 16):

@@ -68,7 +68,7 @@ def test_shifted_logits_are_the_head_on_shifted_features(shipped) -> None:
     head = model.shift.head
     rng = np.random.default_rng(1)
     test_mean = model.shift.source_mean + rng.normal(0, 0.3, head.width)
-    model.state.shift_mean, model.state.shift_weight = test_mean, 0.5
+    model.state.shift_mean, model.state.shift_weight = test_mean, 0.99
     x = uniform_batch(6, seed=4)
     served = model.predict(x)
     _, features = model.session.run(x, np.broadcast_to(model.state.theta,
@@ -77,7 +77,7 @@ def test_shifted_logits_are_the_head_on_shifted_features(shipped) -> None:
     weight, bias, _ = HEAD_NAMES[shipped.stem]
     inits = _initializers(shipped)
     np.testing.assert_allclose(served, moved @ inits[weight].T + inits[bias], atol=1e-4)
-    assert model.state.shift_weight == 0.5  # predict serves, it does not learn
+    assert model.state.shift_weight == 0.99  # predict serves, it does not learn
 
 
 def test_zero_shift_leaves_logits_unchanged(shipped) -> None:
@@ -89,36 +89,64 @@ def test_zero_shift_leaves_logits_unchanged(shipped) -> None:
     np.testing.assert_allclose(shifted.predict(x), plain.predict(x), atol=1e-6)
 
 
+def _empty_state() -> AdaptState:
+    return AdaptState.initial(np.zeros(1, dtype=np.float32), 3, 9, 0)
+
+
 def test_shift_is_source_mean_minus_windowed_test_mean() -> None:
     rng = np.random.default_rng(0)
     width, classes, window = 5, 3, 40.0
     head = LinearHead(rng.normal(size=(classes, width)), rng.normal(size=classes), slice(2, 7))
     source = rng.normal(size=width)
     shift = ActivationShift(head, source, strength=1.0, window=window)
-    features = rng.normal(2.0, 1.0, (30, 9))
-    one_batch = shift.observe(np.zeros(0), 0.0, features)
-    mean, weight = np.zeros(0), 0.0
+    features = rng.normal(2.0, 1.0, (40, 9))  # more than the 32 a window needs to be served
+    one_batch, one_by_one = _empty_state(), _empty_state()
+    shift.observe(one_batch, features)
     for row in features:  # the same samples one per batch
-        mean, weight = shift.observe(mean, weight, row[None])
-    np.testing.assert_allclose(mean, one_batch[0], rtol=1e-12)
-    assert weight == pytest.approx(one_batch[1])
+        shift.observe(one_by_one, row[None])
+    np.testing.assert_allclose(one_by_one.shift_mean, one_batch.shift_mean, rtol=1e-12)
+    assert one_by_one.shift_weight == pytest.approx(one_batch.shift_weight)
     a = 1 - 2 / (window + 1)  # the bias-corrected EMA by hand
     raw = np.zeros(width)
     for row in features[:, 2:7]:
         raw = a * raw + (1 - a) * row
-    np.testing.assert_allclose(mean, raw / (1 - a ** len(features)), rtol=1e-12)
-    np.testing.assert_allclose(shift.offset(mean, weight), head.weight @ (source - mean))
-    np.testing.assert_array_equal(shift.offset(mean, 0.0), np.zeros(classes))
+    np.testing.assert_allclose(one_batch.shift_mean, raw / (1 - a ** len(features)), rtol=1e-12)
+    np.testing.assert_allclose(shift.offset(one_batch),
+                               head.weight @ (source - one_batch.shift_mean))
+    assert shift.changes == 0
+    shift.restart(one_batch)
+    np.testing.assert_array_equal(shift.offset(one_batch), np.zeros(classes))
+
+
+def test_a_change_of_stream_restarts_the_window_from_the_recent_samples() -> None:
+    rng = np.random.default_rng(3)
+    head = LinearHead(rng.normal(size=(3, 4)), np.zeros(3), slice(0, 4))
+    shift = ActivationShift(head, np.zeros(4), strength=1.0, window=256.0)
+    state = _empty_state()
+    for _ in range(300):  # black frames: one constant head input
+        shift.observe(state, np.full((1, 4), 4.0))
+    for _ in range(200):  # the same stream, noisy: no change
+        shift.observe(state, rng.normal(0.0, 1.0, (1, 4)) + (4.0 if shift.changes else 0.0))
+        if shift.changes:
+            break
+    assert shift.changes == 1  # the first noisy sample is a change from zero variance
+    changes = shift.changes
+    for _ in range(1000):
+        shift.observe(state, rng.normal(4.0, 1.0, (1, 4)))
+    assert shift.changes == changes  # a steady stream does not look like a change
+    for _ in range(64):  # another stream: followed within tens of samples, not 256
+        shift.observe(state, rng.normal(0.0, 1.0, (1, 4)))
+    assert shift.changes > changes and np.linalg.norm(state.shift_mean) < 1.0
 
 
 def test_noadapt_shift_learns_the_stream_at_one_forward() -> None:
     resnet = SHIPPED[1]
     shifted = AdaptiveModel.load(resnet, "noadapt-shift", provider="cpu")
     plain = AdaptiveModel.load(resnet, "noadapt", provider="cpu")
-    x = uniform_batch(32, seed=6)
-    for i in range(0, 32, 8):
-        out, ref = shifted.step(x[i : i + 8]), plain.step(x[i : i + 8])
-        assert (i == 0) == np.array_equal(out, ref)
+    x = uniform_batch(64, seed=6)
+    for i in range(0, 64, 16):  # served once 32 samples are in the window
+        out, ref = shifted.step(x[i : i + 16]), plain.step(x[i : i + 16])
+        assert (i < 32) == np.array_equal(out, ref)
     assert shifted.stats()["forwards_per_sample"] == 1.0
     assert shifted.state.shift_weight > 0 and shifted.state.step == 0
     shifted.freeze()
@@ -139,7 +167,7 @@ def test_state_keeps_the_shift_and_older_states_load(shipped) -> None:
                                model.metadata.num_features, 0)
     data = encode_state(state, model.fingerprint, {})
     values, _ = decode_state(data)
-    older = {k: v for k, v in values.to_dict().items() if k not in ("shift_mean", "shift_weight")}
+    older = {k: v for k, v in values.to_dict().items() if not k.startswith("shift_")}
     restored = AdaptState.from_dict(older)
     assert restored.shift_mean.size == 0 and restored.shift_weight == 0.0
     again.load_state_dict(older)
@@ -178,15 +206,15 @@ def test_a_stream_beyond_the_bound_restarts_the_window_unshifted() -> None:
     head = LinearHead(rng.normal(size=(3, 4)), np.zeros(3), slice(0, 4))
     source = np.zeros(4)
     shift = ActivationShift(head, source, strength=1.0, window=256.0, max_distance=1.0)
-    mean, weight = np.zeros(0), 0.0
+    state = _empty_state()
     for _ in range(100):  # far from the source: never served, restarted once checkable
-        mean, weight = shift.observe(mean, weight, rng.normal(5.0, 0.1, (1, 4)))
-        assert not shift.offset(mean, weight).any()
+        shift.observe(state, rng.normal(5.0, 0.1, (1, 4)))
+        assert not shift.offset(state).any()
     assert shift.restarts >= 1
-    for _ in range(160):  # near: what is left of the far stream restarts once more, then the
-        mean, weight = shift.observe(mean, weight, rng.normal(0.3, 0.1, (1, 4)))  # near window
-        served = shift.offset(mean, weight)  # is served once it holds 64 samples
-        assert served.any() == (weight >= shift.checked_weight)
-    assert shift.restarts >= 2 and served.any()
-    np.testing.assert_allclose(served, head.weight @ (source - mean))
-    assert np.linalg.norm(mean - 0.3) < 0.1
+    for _ in range(160):  # near: served once the window holds 64 samples
+        shift.observe(state, rng.normal(0.3, 0.1, (1, 4)))
+        served = shift.offset(state)
+        assert served.any() == (state.shift_weight >= shift.checked_weight)
+    assert served.any()
+    np.testing.assert_allclose(served, head.weight @ (source - state.shift_mean))
+    assert np.linalg.norm(state.shift_mean - 0.3) < 0.1
