@@ -13,18 +13,27 @@ shift (move the head input by s) costs no forward: ``head(h + s) = logits + W s`
 
 :func:`read_head` finds W, b and the LayerNorm (if any) in the graph (float initializers, or
 DequantizeLinear of them in a quantized file); :meth:`LinearHead.matches` checks the reading
-against a real forward before anything uses it.
+against a real forward before anything uses it. :func:`cached_head` parses the file once per
+version and keeps the reading in the cache (``cache_dir()/head/<sha256>.npz``), as the split
+sessions keep their parts: the device path does not parse the weights a second time.
 """
 
 from __future__ import annotations
 
+import io
+import os
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from .atomic import atomic_write_bytes
+from .cache import cache_dir, file_digest
 from .metadata import ModelMetadata
+from .modelfile import load_onnx
 
 # ops between the head's input and the pooled/normalised tensor that leave row values as they
 # are, up to rounding (quantize/dequantize pairs, fake quantization); the reading is checked
@@ -116,6 +125,29 @@ def read_head(model: onnx.ModelProto, metadata: ModelMetadata) -> LinearHead:
                         f"{seg.name!r} features ({seg.size} wide)")
     return LinearHead(weight.astype(np.float64), bias.astype(np.float64).reshape(-1),
                       slice(seg.offset, seg.offset + seg.size), norm)
+
+
+def cached_head(path: str | os.PathLike, metadata: ModelMetadata) -> LinearHead:
+    """:func:`read_head` of the file at ``path``, read from the cache after the first time."""
+    cached = cache_dir() / "head" / f"{file_digest(Path(path))}.npz"
+    if cached.is_file():
+        with np.load(cached, allow_pickle=False) as npz:
+            values = {name: npz[name] for name in npz.files}
+        norm = None
+        if "norm_scale" in values:
+            norm = (values["norm_scale"], values["norm_bias"], float(values["norm_eps"]))
+        start, stop = (int(v) for v in values["segment"])
+        return LinearHead(values["weight"], values["bias"], slice(start, stop), norm)
+    head = read_head(load_onnx(path), metadata)
+    arrays: dict[str, Any] = {"weight": head.weight, "bias": head.bias,
+              "segment": np.array([head.segment.start, head.segment.stop])}
+    if head.norm is not None:
+        arrays.update(norm_scale=head.norm[0], norm_bias=head.norm[1],
+                      norm_eps=np.array(head.norm[2]))
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    atomic_write_bytes(cached, buffer.getvalue())
+    return head
 
 
 def _layer_norm_before(

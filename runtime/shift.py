@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .head import HeadError, LinearHead, read_head
+from .head import HeadError, LinearHead, cached_head
 from .metadata import ModelMetadata
-from .modelfile import load_onnx
 from .rates import window_factor, windowed_update
 from .session import AdaptableSession
 from .state import AdaptState
@@ -143,7 +142,7 @@ def load_shift(
     image at theta0 (not counted as a served forward), and build the shift; HeadError when the
     file's head cannot be shifted."""
     metadata = session.metadata
-    head = read_head(load_onnx(session.path), metadata)
+    head = cached_head(session.path, metadata)
     source_mean = source_head_mean(metadata, head)
     c, h, w = metadata.preprocessing.input_size
     x = np.random.default_rng(0).standard_normal((2, c, h, w)).astype(np.float32)

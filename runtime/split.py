@@ -14,7 +14,6 @@ file>``), so a device loads each weight once, with ONNX Runtime's own loader.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ import onnx
 from onnx.utils import Extractor
 
 from .atomic import atomic_write_bytes
-from .cache import cache_dir
+from .cache import cache_dir, file_digest
 
 ADAPTED_INPUTS = ("theta", "prompt", "head_shift")
 
@@ -105,19 +104,11 @@ class SplitFiles:
     row_elements: int
 
 
-def _digest(path: Path) -> str:
-    sha = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            sha.update(block)
-    return sha.hexdigest()
-
-
 def split_files(path: str | os.PathLike, root: Path | None = None) -> SplitFiles:
     """The cached parts of the model file ``path`` (split and written on first use, atomically;
     the manifest last, so a folder with a manifest is complete). ``root``: default
     ``cache_dir()/split``."""
-    folder = (root or cache_dir() / "split") / _digest(Path(path))
+    folder = (root or cache_dir() / "split") / file_digest(Path(path))
     manifest = folder / "split.json"
     if not manifest.is_file():
         parts = split_model(onnx.load(str(path)))
