@@ -224,7 +224,8 @@ def test_concurrent_clients_get_their_own_rows(pixels, tmp_path):
     of these images are >= 0.05 apart): requests coalesce into shared steps, and every row
     matches its own image."""
     expected = offline("noadapt").predict(pixels)
-    quiet_eva0 = ["--method", "eva0", "--set", "eta=0", "--set", "mu=5e-4"]
+    quiet_eva0 = ["--method", "eva0", "--set", "eta=0", "--set", "mu=5e-4",
+                  "--set", "activation_shift=0"]  # the rows are the model's own logits
     for args in (["--method", "noadapt"], quiet_eva0):
         server = ServerProcess(tmp_path / f"{args[1]}.log", *args, "--max-delay-ms", "20")
         try:
