@@ -69,6 +69,7 @@ def test_shifted_logits_are_the_head_on_shifted_features(shipped) -> None:
     rng = np.random.default_rng(1)
     test_mean = model.shift.source_mean + rng.normal(0, 0.3, head.width)
     model.state.shift_mean, model.state.shift_weight = test_mean, 0.99
+    model.state.shift_sq = float(test_mean @ test_mean) + 10.0  # a stream with variance
     x = uniform_batch(6, seed=4)
     served = model.predict(x)
     _, features = model.session.run(x, np.broadcast_to(model.state.theta,
@@ -218,3 +219,17 @@ def test_a_stream_beyond_the_bound_restarts_the_window_unshifted() -> None:
     assert served.any()
     np.testing.assert_allclose(served, head.weight @ (source - state.shift_mean))
     assert np.linalg.norm(state.shift_mean - 0.3) < 0.1
+
+
+def test_one_image_repeated_is_not_shifted() -> None:
+    rng = np.random.default_rng(4)
+    head = LinearHead(rng.normal(size=(3, 4)), np.zeros(3), slice(0, 4))
+    shift = ActivationShift(head, np.zeros(4), strength=1.0, window=64.0)
+    state = _empty_state()
+    image = rng.normal(2.0, 1.0, (1, 4))
+    for _ in range(100):
+        shift.observe(state, image)
+    assert state.shift_weight > 0.9 and not shift.offset(state).any()
+    for _ in range(100):
+        shift.observe(state, rng.normal(2.0, 1.0, (1, 4)))
+    assert shift.offset(state).any()
