@@ -36,6 +36,7 @@ import numpy as np
 from .config import AdaptConfig
 from .estimator import GradientEstimate, Objective, ZerothOrderEstimator
 from .guard import GuardBounds, HealthGuard, alignment_distance
+from .head import HeadError
 from .metadata import ModelMetadata
 from .monitoring import Health, StepStats
 from .perturbation import AnchorShare
@@ -106,14 +107,25 @@ class AdaptiveModel:
         self.estimator = ZerothOrderEstimator(
             session, self.config, Objective(self.config, self._source_stats)
         )
-        self.shift: ActivationShift | None = (
-            load_shift(session, self.config.activation_shift, self.config.shift_window,
-                       self.config.shift_max)
-            if self.config.activation_shift > 0 else None
-        )
+        self.shift = self._load_shift("activation_shift" in {**fp, **(config or {})})
         self.seed = int(seed)
         self.last = StepStats()
         self.reset()
+
+    def _load_shift(self, asked: bool) -> ActivationShift | None:
+        """The activation shift, or None when it is off; a file whose head cannot be shifted
+        refuses a shift the user asked for, and runs unshifted (with a warning) when the
+        shift came from the file's tuned values (a quantized copy of a tuned file)."""
+        cfg = self.config
+        if cfg.activation_shift <= 0:
+            return None
+        try:
+            return load_shift(self.session, cfg.activation_shift, cfg.shift_window, cfg.shift_max)
+        except HeadError as err:
+            if asked:
+                raise
+            log.warning("%s: activation shift off: %s", self.method, err)
+            return None
 
     @classmethod
     def load(

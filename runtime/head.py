@@ -97,6 +97,8 @@ def read_head(model: onnx.ModelProto, metadata: ModelMetadata) -> LinearHead:
     node = producers.get("logits")
     if node is None:
         raise HeadError("the graph has no 'logits' output")
+    while node.op_type in ("DequantizeLinear", "QuantizeLinear") and node.input[0] in producers:
+        node = producers[node.input[0]]  # a quantized file rounds the logits: read through
     if node.op_type == "Gemm":
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         if attrs.get("transA", 0):
