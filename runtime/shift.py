@@ -96,8 +96,7 @@ class ActivationShift:
         weight = state.shift_weight
         if not state.shift_mean.size or weight <= 0 or weight < self.checked_weight:
             return np.zeros(self.head.bias.shape)
-        variance = state.shift_sq - float(state.shift_mean @ state.shift_mean)
-        if variance < MIN_SPREAD * state.shift_sq:
+        if _variance(state) < MIN_SPREAD * state.shift_sq:
             return np.zeros(self.head.bias.shape)
         return self.head.weight @ (self.strength * (self.source_mean - state.shift_mean))
 
@@ -117,11 +116,10 @@ class ActivationShift:
         if not st.shift_recent.size or st.shift_recent_weight == 0:
             st.shift_recent, st.shift_recent_sq, st.shift_recent_weight = np.zeros(width), 0.0, 0.0
         moments = np.concatenate([h, squares], axis=1)
-        long_before, recent_before = st.shift_weight, st.shift_recent_weight
         long, st.shift_weight = windowed_update(
-            np.append(st.shift_mean, st.shift_sq), long_before, moments, self.factor)
+            np.append(st.shift_mean, st.shift_sq), st.shift_weight, moments, self.factor)
         recent, st.shift_recent_weight = windowed_update(
-            np.append(st.shift_recent, st.shift_recent_sq), recent_before, moments,
+            np.append(st.shift_recent, st.shift_recent_sq), st.shift_recent_weight, moments,
             self.recent_factor)
         st.shift_mean, st.shift_sq = long[:-1], float(long[-1])
         st.shift_recent, st.shift_recent_sq = recent[:-1], float(recent[-1])
@@ -137,10 +135,15 @@ class ActivationShift:
         full = 1.0 - self.recent_factor**RECENT_SAMPLES
         if st.shift_recent_weight < full or st.shift_weight < 1.0 - self.factor**RECENT_SAMPLES:
             return False
-        variance = max(st.shift_sq - float(st.shift_mean @ st.shift_mean), 0.0)
+        variance = max(_variance(st), 0.0)
         gap = float(((st.shift_recent - st.shift_mean) ** 2).sum())
         floor = 1e-12 * (1.0 + float(st.shift_mean @ st.shift_mean))
         return gap * RECENT_SAMPLES > CHANGE_Z**2 * (variance + floor)
+
+
+def _variance(state: AdaptState) -> float:
+    """The long window's total variance E||h||^2 - ||E h||^2 (may round below 0)."""
+    return state.shift_sq - float(state.shift_mean @ state.shift_mean)
 
 
 def load_shift(
