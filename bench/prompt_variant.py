@@ -2,7 +2,8 @@
 ``foa-dagger``, ``eva0-clubs``): the same torch source weights exported with T prompt tokens
 (``eva0-edge export --prompts T``), its source statistics taken from the same clean training
 images as the shipped file's, its recommended values the best of ``models/<arch>_prompt.tune*.json``
-(``models/tune.py --method eva0-clubs``, validation split). Generated once into the cache."""
+(``models/tune.py --method eva0-clubs``, validation split), and FOA's tuned values those of the
+shipped file (``models/tune.py --method foa``). Generated once into the cache."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 from eva0_edge.runtime.cache import cache_dir
 from eva0_edge.runtime.calibrate import calibrate_with_images
 from eva0_edge.runtime.engine import model_fingerprint
+from eva0_edge.runtime.foa import FOA_METHODS
 from eva0_edge.runtime.modelfile import load_onnx, read_metadata, save_onnx, set_metadata
 
 from .fashion_mnist import CALIBRATION_IMAGES, clean_training_images
@@ -64,7 +66,10 @@ def prompt_variant(
             "`eva0-edge export --prompts 3`, calibrate it, and pass it with --prompt-model"
         )
     tuned = tuned_values(metadata.architecture)
-    tuned_key = hashlib.sha256(json.dumps(tuned, sort_keys=True).encode()).hexdigest()[:8]
+    foa_tuned = {m: v for m, v in metadata.tuned.items() if m in FOA_METHODS}
+    tuned_key = hashlib.sha256(
+        json.dumps([tuned, foa_tuned], sort_keys=True).encode()
+    ).hexdigest()[:8]
     out = cache_dir() / "prompt_models" / (
         f"{metadata.architecture}-p{tokens}-{model_fingerprint(metadata)}-{tuned_key}.onnx"
     )
@@ -79,10 +84,11 @@ def prompt_variant(
         labels=metadata.labels, preprocessing=metadata.preprocessing, prompts=tokens,
     )
     calibrate_with_images(partial, clean_training_images(), CALIBRATION_IMAGES, seed=0)
-    if tuned:
+    if tuned or foa_tuned:
         model = load_onnx(partial)
         prompt_metadata = read_metadata(model)
         prompt_metadata.recommended = {**prompt_metadata.recommended, **tuned}
+        prompt_metadata.tuned = {**prompt_metadata.tuned, **foa_tuned}
         save_onnx(set_metadata(model, prompt_metadata), partial)
     os.replace(partial, out)
     return out

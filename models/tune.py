@@ -22,6 +22,10 @@ best sits on an edge of the grid, the next point past it is scored too (at most 
 eva0, in ``recommended``, except the activation shift, which stays eva0's own). The log goes
 to ``models/<name>.tune-<method>.json``.
 
+``--method foa`` runs on the model's prompt variant (``bench.prompt_variant``) by the same rule;
+its default grid is ``lambda_fit`` (the fitness's feature-statistics weight) at the scales above,
+and the winner goes into the shipped file's ``tuned`` values, which the prompt variant carries.
+
 ``--method eva0-clubs`` tunes the black-box prompt method on the model's prompt variant
 (``bench.prompt_variant``) at one batch size, as before: its log is
 ``models/<arch>_prompt.tune.json``, whose best values the prompt variant carries.
@@ -42,6 +46,7 @@ from eva0_edge.bench.evaluate import BACKPROP, EvalSpec, evaluate
 from eva0_edge.bench.prompt_variant import tune_log_path
 from eva0_edge.runtime.config import AdaptConfig
 from eva0_edge.runtime.engine import AdaptiveModel
+from eva0_edge.runtime.foa import FOA_METHODS, FOAConfig
 from eva0_edge.runtime.methods import is_prompt_method
 from eva0_edge.runtime.modelfile import load_onnx, read_metadata, save_onnx, set_metadata
 
@@ -53,6 +58,8 @@ EVA0_ONLY = {"activation_shift", "shift_window", "shift_max"}
 def current_values(model: str, method: str) -> dict[str, float]:
     """The step size ``method`` runs with today on ``model`` (before tuning)."""
     metadata = read_metadata(model)
+    if method in FOA_METHODS:
+        return {"lambda_fit": FOAConfig().updated(metadata.tuned.get(method, {})).lambda_fit}
     if method in BACKPROP:
         default = PAPER_LR.get(metadata.family, 1e-3)
         return {"lr": metadata.tuned.get(method, {}).get("lr", default)}
@@ -185,12 +192,16 @@ def main() -> None:
                         help="re-apply the choice to the existing log instead of scoring")
     args = parser.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    if args.method not in BACKPROP and is_prompt_method(args.method):
+    if args.method in FOA_METHODS:
+        known = set(FOAConfig.__dataclass_fields__)
+    elif args.method in BACKPROP:
+        known = {"lr"}
+    elif is_prompt_method(args.method):
         tune_prompt_method(args)
         return
-    unknown = {k for c in parse_grid(args.grid or []) for k in c} - (
-        {"lr"} if args.method in BACKPROP else set(AdaptConfig.__dataclass_fields__)
-    )
+    else:
+        known = set(AdaptConfig.__dataclass_fields__)
+    unknown = {k for c in parse_grid(args.grid or []) for k in c} - known
     if unknown:
         raise SystemExit(f"--grid keys {sorted(unknown)} do not apply to {args.method}")
     start = time.time()

@@ -35,7 +35,8 @@ from .session import AdaptableSession
 
 @dataclass(frozen=True)
 class FOAConfig:
-    """FOA's hyper-parameters (the FOA paper's ViT-Base values).
+    """FOA's hyper-parameters (the FOA paper's ViT-Base values; a model file's ``tuned`` values
+    for the method override them, the caller's ``config`` overrides both).
 
     forwards: K forward passes per sample (CMA-ES population K - 1 + previous best).
     lambda_fit: weight of the feature-statistics term of the fitness. shift: activation
@@ -87,7 +88,9 @@ class FOAModel:
         self.session = session
         self.metadata = metadata
         self.name = base
-        self.config = FOAConfig().updated({**FOA_METHODS[base], **fp, **(config or {})})
+        self.config = FOAConfig().updated(
+            {**FOA_METHODS[base], **metadata.tuned.get(base, {}), **fp, **(config or {})}
+        )
         if self.config.forwards < 2:
             raise ValueError(f"{base}: #FP (forwards) must be >= 2, got {self.config.forwards}")
         needs_source = self.config.lambda_fit > 0 or self.config.shift
