@@ -211,7 +211,7 @@ class AdaptiveModel:
         self._check_shapes(state)
         self._install(state)
 
-    def _state_sizes(self) -> dict[str, int]:
+    def state_sizes(self) -> dict[str, int]:
         """Elements of every state array for this model."""
         md = self.metadata
         return {
@@ -223,7 +223,7 @@ class AdaptiveModel:
         }
 
     def _check_shapes(self, state: AdaptState) -> None:
-        sizes = self._state_sizes()
+        sizes = self.state_sizes()
         for name in ("shift_mean", "shift_recent"):
             size = getattr(state, name).size
             if size > sizes.pop(name) or (
@@ -253,7 +253,7 @@ class AdaptiveModel:
         """Decode and validate state bytes for this model (sizes from the archive headers
         first, checksum, fingerprint, every value and shape) without touching the current
         state, so it may run on any thread; StateError names what is wrong."""
-        state, _ = decode_state(data, self.fingerprint, self._state_sizes())
+        state, _ = decode_state(data, self.fingerprint, self.state_sizes())
         self._check_shapes(state)
         return state
 
@@ -270,7 +270,7 @@ class AdaptiveModel:
 
     def load_state(self, path: str | os.PathLike) -> None:
         """Load a state file written by :meth:`save_state` for this model."""
-        state, _ = read_state_file(path, self.fingerprint, self._state_sizes())
+        state, _ = read_state_file(path, self.fingerprint, self.state_sizes())
         self._check_shapes(state)
         self._install(state)
 

@@ -37,6 +37,7 @@ from eva0_edge import __version__
 from ..engine import AdaptiveModel
 from ..methods import RuntimeModel
 from .context import ServeOptions, ServerContext, StepSummary, error_response, log
+from .extension import ServerExtension
 from .metrics import ServerMetrics
 from .protocol import ProtocolError
 from .routes_adaptation import adaptation_router, metrics_router
@@ -47,16 +48,19 @@ from .worker import AdaptationWorker, StepRecord
 __all__ = ["ServeOptions", "create_app"]
 
 
-def create_app(model: RuntimeModel, options: ServeOptions) -> FastAPI:
+def create_app(
+    model: RuntimeModel, options: ServeOptions, extension: ServerExtension | None = None
+) -> FastAPI:
     """The application around ``model``; the worker starts and stops with the app's lifespan
-    (restoring the newest good snapshot from ``options.state_dir`` first). FOA's search state is
-    not persisted: with FOA, ``state_dir`` is refused (ValueError)."""
+    (restoring the newest good snapshot from ``options.state_dir`` first), ``extension`` (see
+    :mod:`.extension`) right after and before it. FOA's search state is not persisted: with
+    FOA, ``state_dir`` is refused (ValueError)."""
     if options.state_dir and not isinstance(model, AdaptiveModel):
         raise ValueError(
             f"--state-dir: {model.method}'s CMA-ES search state is not persisted; serve it "
             "without --state-dir (the EVA-0 family keeps its state)"
         )
-    metrics = ServerMetrics(options.max_batch)
+    metrics = ServerMetrics(options.max_batch, extension.gauges if extension else None)
     summary = StepSummary(options.summary_every_s)
     snapshots = (
         SnapshotStore(options.state_dir, options.keep_snapshots) if options.state_dir else None
@@ -70,7 +74,7 @@ def create_app(model: RuntimeModel, options: ServeOptions) -> FastAPI:
         model, options.max_batch, options.max_delay_ms / 1000.0, snapshots,
         options.snapshot_every, on_step, options.adaptive_delay,
     )
-    ctx = ServerContext(model, options, worker, metrics, snapshots, asyncio.Event())
+    ctx = ServerContext(model, options, worker, metrics, snapshots, asyncio.Event(), extension)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -79,6 +83,8 @@ def create_app(model: RuntimeModel, options: ServeOptions) -> FastAPI:
             if restored:
                 log.info("resumed from %s at step %d", restored, model.health().step)
         worker.start()
+        if extension is not None:
+            extension.start(worker)
         ctx.ready.set()
         log.info(
             "serving %s (%s, %s) max batch %d, max delay %.1f ms", options.name,
@@ -88,6 +94,8 @@ def create_app(model: RuntimeModel, options: ServeOptions) -> FastAPI:
             yield
         finally:
             ctx.ready.clear()
+            if extension is not None:
+                await run_in_threadpool(extension.stop)
             await run_in_threadpool(worker.stop)
             summary.emit(model)
             log.info("stopped at step %d", model.health().step)

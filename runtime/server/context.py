@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from ..methods import RuntimeModel
+from .extension import ServerExtension
 from .metrics import ServerMetrics
 from .protocol import ProtocolError
 from .snapshots import SnapshotStore
@@ -143,6 +144,7 @@ class ServerContext:
     metrics: ServerMetrics
     snapshots: SnapshotStore | None
     ready: asyncio.Event
+    extension: ServerExtension | None = None
 
     @property
     def body_limit(self) -> int:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 from ..monitoring import Health
 from .worker import StepRecord
@@ -10,11 +13,28 @@ from .worker import StepRecord
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
-class ServerMetrics:
-    """Requests by status, request latency (seconds), rows per step, adaptation steps."""
+class _ExtensionGauges:
+    """A collector over an extension's ``gauges()``, read at every scrape."""
 
-    def __init__(self, max_batch: int) -> None:
+    def __init__(self, gauges: Callable[[], list[tuple[str, str, float]]]) -> None:
+        self._gauges = gauges
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        for name, help_text, value in self._gauges():
+            yield GaugeMetricFamily(name, help_text, value=value)
+
+
+class ServerMetrics:
+    """Requests by status, request latency (seconds), rows per step, adaptation steps; and an
+    extension's gauges (``extension_gauges``, read at every scrape)."""
+
+    def __init__(
+        self, max_batch: int,
+        extension_gauges: Callable[[], list[tuple[str, str, float]]] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
+        if extension_gauges is not None:
+            self.registry.register(_ExtensionGauges(extension_gauges))
         self.requests = Counter(
             "eva0_requests", "Inference requests by HTTP status", ["status"],
             registry=self.registry,

@@ -27,6 +27,8 @@ def adaptation_router(ctx: ServerContext) -> APIRouter:
         ctx.check_name(name)
         stats = await ctx.on_worker(lambda m: m.stats())
         stats["snapshots_written"] = ctx.snapshots.written if ctx.snapshots else 0
+        if ctx.extension is not None:
+            stats[ctx.extension.name] = ctx.extension.statistics()
         return finite_stats(stats)
 
     @router.post("/reset")

@@ -42,17 +42,25 @@ class SnapshotStore:
 
     def save(self, model: AdaptiveModel) -> Path:
         """Write the model's state as the newest snapshot, then prune the oldest."""
+        return self.save_bytes(model.state_bytes())
+
+    def save_bytes(self, data: bytes) -> Path:
+        """Write encoded state bytes as the newest snapshot, then prune the oldest."""
         existing = self._existing()
         seq = existing[-1][0] + 1 if existing else 1
-        path = write_state_file(self.directory / f"snapshot-{seq:08d}.npz", model.state_bytes())
+        path = write_state_file(self.directory / f"snapshot-{seq:08d}.npz", data)
         self.written += 1
         for _, old in existing[: max(0, len(existing) + 1 - self.keep)]:
             old.unlink(missing_ok=True)
         return path
 
+    def newest_first(self) -> list[Path]:
+        """The snapshot files, newest first."""
+        return [path for _, path in reversed(self._existing())]
+
     def restore_latest(self, model: AdaptiveModel) -> Path | None:
         """Load the newest snapshot that verifies into ``model``; None when there is none."""
-        for _, path in reversed(self._existing()):
+        for path in self.newest_first():
             try:
                 model.load_state(path)
             except (StateError, OSError) as err:
