@@ -8,10 +8,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import parse_key_values
 from .registry import RUNTIME_KINDS, method_help
+
+if TYPE_CHECKING:
+    from .methods import RuntimeModel
+    from .server import ServeOptions
 
 log = logging.getLogger("eva0_edge")
 
@@ -194,7 +198,41 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     if options.max_batch < 1 or options.max_delay_ms < 0 or options.snapshot_every < 1:
         raise ValueError("need --max-batch >= 1, --max-delay-ms >= 0, --snapshot-every >= 1")
     level = "debug" if args.verbose >= 2 else "info"
-    run_server(model, options, args.host, args.port, level)
+    if args.replicas is None:
+        run_server(model, options, args.host, args.port, level)
+        return
+    _serve_fleet(args, model, options, level)
+
+
+def _serve_fleet(args: argparse.Namespace, model: RuntimeModel, options: ServeOptions,
+                 level: str) -> None:
+    """``serve --replicas N``: the fleet on Ray Serve (the ``[fleet]`` extra)."""
+    import dataclasses
+
+    from .engine import AdaptiveModel
+
+    if not isinstance(model, AdaptiveModel):
+        raise ValueError(f"--replicas: the fleet merges EVA-0-family states; {model.method} "
+                         "keeps none (serve it without --replicas)")
+    try:
+        from eva0_edge.fleet.replica import ReplicaSpec
+        from eva0_edge.fleet.serve import start_fleet
+        from eva0_edge.fleet.state_actor import FleetConfig
+    except ImportError as err:
+        raise ValueError(
+            f"--replicas needs Ray Serve: pip install 'eva0-edge[fleet]' ({err})"
+        ) from err
+    logging.getLogger("eva0_edge").setLevel(level.upper())
+    load = dict(
+        path=args.model, name=args.method, config=parse_key_values(args.set or []),
+        provider=args.provider, threads=args.threads, low_memory=args.low_memory,
+        io_binding=args.io_binding, **split_options(args),
+    )
+    spec = ReplicaSpec(load, dataclasses.replace(options, state_dir=None), args.sync_every_s,
+                       args.seed)
+    config = FleetConfig(threshold=args.fleet_threshold, state_dir=args.state_dir,
+                         keep=args.keep_snapshots, live_s=max(10.0, 5 * args.sync_every_s))
+    start_fleet(spec, args.replicas, config, args.host, args.port, args.ray_address, probe=model)
 
 
 def _is_loopback(host: str) -> bool:
@@ -270,5 +308,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="hyper-parameter override, repeatable")
     p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--replicas", type=int, help="serve N replicas on Ray Serve with merged "
+                   "adaptation (the [fleet] extra); --state-dir then holds the fleet's snapshots")
+    p.add_argument("--ray-address", help="join this Ray cluster (default: a local instance)")
+    p.add_argument("--sync-every-s", type=float, default=2.0,
+                   help="seconds between a replica's reports to the fleet state (default 2)")
+    p.add_argument("--fleet-threshold", type=float, default=1.0,
+                   help="feature distance beyond which a replica is another domain and stays "
+                   "out of the merge (default 1.0)")
     p.set_defaults(func=_cmd_serve)
 

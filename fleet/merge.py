@@ -1,0 +1,152 @@
+"""Merging the adaptation states of a fleet's replicas (pure NumPy; Ray only carries them).
+
+Every replica adapts on its own stream and, every few seconds, reports its state and its
+*progress*: the change of every merged quantity since the point it last accounted for (its
+previous report, or the fleet state it last applied). A merge of the fleet state G:
+
+1. keeps the reports that agree: replicas whose windowed feature means lie within
+   ``threshold`` of each other (RMS over features of the mean difference over the pooled
+   standard deviation, :func:`feature_distance`) form groups; the group with the most samples
+   is the fleet's domain; the others (another domain) keep adapting on their own;
+2. leaves out unhealthy reports (the health guard tripped or held, or the replica is frozen);
+3. moves G by the sample-weighted average of the kept progress: theta, anchor, velocity, the
+   guard's healthy checkpoint, the output centre and feature moments, and the weights and
+   scales that go with them (weights: images adapted on since the last accounted point, at
+   least one); the activation-shift windows become the weighted average of the kept replicas'
+   windows.
+
+A replica that applies G keeps its progress since its report (:func:`apply_merged`) and
+accounts from G on, so no progress is lost or counted twice. With no step between a report and
+the answer, every replica that applies G holds G's quantities exactly.
+
+Per-replica counters (steps, skips, clips, guard trips, pauses, the seed, frozen) are never
+merged: a replica keeps its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from eva0_edge.runtime.state import AdaptState
+
+MERGED_ARRAYS = ("theta", "anchor", "velocity", "healthy_theta", "center", "mean", "second_moment")
+MERGED_SCALARS = ("stat_weight", "coef_scale", "coef_weight")
+SHIFT_ARRAYS = ("shift_mean", "shift_recent")
+SHIFT_SCALARS = ("shift_sq", "shift_weight", "shift_recent_sq", "shift_recent_weight")
+
+Progress = dict[str, np.ndarray | float]
+
+
+@dataclass
+class Report:
+    """One replica's report: its state now (for the agreement test and the shift windows), its
+    progress since its last accounted point (:func:`progress`), the images adapted on meanwhile,
+    and whether it stayed healthy (no guard trip or hold, not frozen)."""
+
+    replica: str
+    state: AdaptState
+    progress: Progress
+    samples: int
+    healthy: bool = True
+
+
+def progress(now: AdaptState, since: AdaptState) -> Progress:
+    """``now - since`` for every merged array and scalar."""
+    out: Progress = {
+        n: getattr(now, n).astype(np.float64) - getattr(since, n) for n in MERGED_ARRAYS
+    }
+    out.update({n: float(getattr(now, n) - getattr(since, n)) for n in MERGED_SCALARS})
+    return out
+
+
+def add_progress(a: Progress, b: Progress) -> Progress:
+    """Two consecutive progresses as one."""
+    return {k: a[k] + b[k] for k in a}
+
+
+def feature_distance(a: AdaptState, b: AdaptState) -> float:
+    """RMS over features of (mean_a - mean_b) / pooled std (0 when either has no statistics)."""
+    if a.stat_weight <= 0 or b.stat_weight <= 0:
+        return 0.0
+    var = 0.5 * (
+        np.maximum(a.second_moment - a.mean**2, 0.0) + np.maximum(b.second_moment - b.mean**2, 0.0)
+    )
+    z = (a.mean - b.mean) / np.sqrt(var + 1e-12)
+    return float(np.sqrt(np.mean(z**2)))
+
+
+def agreeing(reports: list[Report], threshold: float) -> list[int]:
+    """Indices of the largest group (by samples) of reports within ``threshold`` of one of
+    them (see the module docstring)."""
+    if not reports:
+        return []
+    weights = [max(r.samples, 1) for r in reports]
+    groups = [
+        [j for j, other in enumerate(reports)
+         if feature_distance(report.state, other.state) <= threshold]
+        for report in reports
+    ]
+    return max(groups, key=lambda g: (sum(weights[j] for j in g), -g[0]))
+
+
+def _bounded(state: AdaptState) -> AdaptState:
+    """Weights back into [0, 1], scales >= 0 and second moments >= the squared means after
+    adding progress (a feature that is always 0 has a moment of 0, which float sums of
+    differences leave at -1e-17)."""
+    state.second_moment = np.maximum(state.second_moment, state.mean**2)
+    state.stat_weight = min(max(state.stat_weight, 0.0), 1.0)
+    state.coef_weight = min(max(state.coef_weight, 0.0), 1.0)
+    state.coef_scale = max(state.coef_scale, 0.0)
+    return state
+
+
+def merge(
+    current: AdaptState, reports: list[Report], threshold: float
+) -> tuple[AdaptState | None, list[str], list[str]]:
+    """The new fleet state (None when no report qualifies), the replicas it averaged, and those
+    left out (disagreeing or unhealthy)."""
+    group = set(agreeing(reports, threshold))
+    kept = [r for i, r in enumerate(reports) if i in group and r.healthy]
+    left_out = [r.replica for r in reports if all(r is not k for k in kept)]
+    if not kept:
+        return None, [], left_out
+    weights = np.array([max(r.samples, 1) for r in kept], dtype=np.float64)
+    weights /= weights.sum()
+    merged = current.copy()
+    for name in MERGED_ARRAYS:
+        step = weights @ np.stack([r.progress[name] for r in kept])
+        setattr(merged, name, (getattr(current, name) + step).astype(getattr(current, name).dtype))
+    for name in MERGED_SCALARS:
+        step = float(weights @ np.array([r.progress[name] for r in kept]))
+        setattr(merged, name, float(getattr(current, name) + step))
+    shifted = [(w, r.state) for w, r in zip(weights, kept, strict=True) if r.state.shift_mean.size]
+    if shifted and len({s.shift_mean.size for _, s in shifted}) == 1:
+        w = np.array([w for w, _ in shifted]) / sum(w for w, _ in shifted)
+        for name in SHIFT_ARRAYS:
+            arrays = [getattr(s, name) for _, s in shifted]
+            if len({a.size for a in arrays}) == 1:
+                setattr(merged, name, w @ np.stack(arrays))
+        for name in SHIFT_SCALARS:
+            setattr(merged, name, float(w @ np.array([getattr(s, name) for _, s in shifted])))
+    merged.step = max(r.state.step for r in kept)
+    return _bounded(merged), [r.replica for r in kept], left_out
+
+
+def apply_merged(merged: AdaptState, reported: AdaptState, current: AdaptState) -> AdaptState:
+    """What a replica installs on receiving ``merged``: the merged quantities plus its own
+    progress since it reported ``reported`` (``current - reported``), its own counters kept."""
+    out = current.copy()
+    for name in MERGED_ARRAYS:
+        delta = getattr(current, name) - getattr(reported, name)
+        setattr(out, name, (getattr(merged, name) + delta).astype(getattr(current, name).dtype))
+    for name in MERGED_SCALARS:
+        delta = getattr(current, name) - getattr(reported, name)
+        setattr(out, name, float(getattr(merged, name) + delta))
+    if merged.shift_mean.size:
+        for name in SHIFT_ARRAYS:
+            setattr(out, name, getattr(merged, name).copy())
+        for name in SHIFT_SCALARS:
+            setattr(out, name, float(getattr(merged, name)))
+    return _bounded(out)

@@ -1,0 +1,177 @@
+"""One replica of the fleet: the plain server's FastAPI app (``create_app``: the same Open
+Inference Protocol routes, worker, dynamic batching, authentication and limits) behind Ray
+Serve's ingress, plus :class:`FleetSync`, which reports the replica's adaptation state to the
+fleet-state actor and applies the merged state it answers with.
+
+Kept from the plain server, on purpose: its worker thread and dynamic batcher rather than
+``@serve.batch``. The worker owns the model (ORT calls block, the state must never be touched by
+two threads), batches across every route that steps, answers each request with exactly its own
+rows, and waits only while more requests are on their way (``--max-delay-ms`` bounds it);
+``@serve.batch`` would batch one method's calls on the event loop and still need the worker to
+own the state. Ray Serve does the rest: the proxy, routing to replicas, restarts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from eva0_edge.runtime.engine import AdaptiveModel
+from eva0_edge.runtime.methods import load_method
+from eva0_edge.runtime.server import ServeOptions, create_app
+from eva0_edge.runtime.server.worker import AdaptationWorker
+from eva0_edge.runtime.state import AdaptState
+
+from .merge import apply_merged, progress
+
+log = logging.getLogger("eva0_edge.fleet")
+
+
+@dataclass
+class ReplicaSpec:
+    """What every replica loads and how it syncs. ``load``: keyword arguments of
+    :func:`~eva0_edge.runtime.methods.load_method` (path, name, config, provider, threads, ...);
+    ``sync_every_s``: seconds between reports to the fleet state."""
+
+    load: dict[str, Any]
+    options: ServeOptions
+    sync_every_s: float = 2.0
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class FleetSync:
+    """Reports this replica's state every ``every_s`` seconds and applies merged states (a
+    :class:`~eva0_edge.runtime.server.extension.ServerExtension`)."""
+
+    name = "fleet"
+
+    def __init__(self, actor: Any, replica: str, model: AdaptiveModel, every_s: float) -> None:
+        self.actor = actor
+        self.replica = replica
+        self.every_s = every_s
+        self.worker: AdaptationWorker | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="eva0-fleet-sync", daemon=True)
+        self.version = 0
+        self.syncs = self.applied = self.failures = 0
+        self.last_sync = 0.0
+        self.fleet: dict[str, Any] = {}
+        self.theta_digest: str | None = None  # of the fleet theta applied last
+        self._join(model)
+
+    def _join(self, model: AdaptiveModel) -> None:
+        """Start from the newest fleet state (a new or restarted replica)."""
+        import ray
+
+        self.version, merged = ray.get(self.actor.join.remote(self.replica))
+        own = AdaptState.from_dict(model.state_dict())
+        if merged is not None:
+            model.load_state_dict(apply_merged(AdaptState.from_dict(merged), own, own).to_dict())
+            log.info("replica %s joined at fleet version %d", self.replica, self.version)
+        self._accounted = AdaptState.from_dict(model.state_dict())
+        self._samples = model.session.counter.samples
+        self._trips = model.health().guard_trips
+
+    def start(self, worker: AdaptationWorker) -> None:
+        self.worker = worker
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.every_s + 30)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.sync_once()
+            except Exception as err:  # noqa: BLE001 - the actor may be restarting
+                self.failures += 1
+                log.warning("fleet sync of %s failed (will retry): %s", self.replica, err)
+
+    def sync_once(self) -> None:
+        """Report the state (read on the worker thread) and apply the answer, if any."""
+        import ray
+
+        assert self.worker is not None
+        state, samples, health = self.worker.call(
+            lambda m: (AdaptState.from_dict(m.state_dict()), m.session.counter.samples,
+                       m.health())
+        ).result()
+        healthy = health.adapting and health.guard_trips == self._trips
+        version, merged, self.fleet = ray.get(self.actor.report.remote(
+            self.replica, state.to_dict(), progress(state, self._accounted),
+            samples - self._samples, healthy,
+        ))
+        self._accounted, self._samples, self._trips = state, samples, health.guard_trips
+        self.syncs += 1
+        self.last_sync = time.monotonic()
+        if merged is None:
+            return
+        fleet_state = AdaptState.from_dict(merged)
+
+        def install(m: AdaptiveModel) -> None:
+            m.load_state_dict(
+                apply_merged(fleet_state, state, AdaptState.from_dict(m.state_dict())).to_dict()
+            )
+
+        self.worker.call(install).result()
+        self._accounted = fleet_state
+        self.theta_digest = hashlib.sha256(fleet_state.theta.tobytes()).hexdigest()[:16]
+        self.version = version
+        self.applied += 1
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            **self.fleet,
+            "replica": self.replica,
+            "pid": os.getpid(),
+            "applied_version": self.version,
+            "applied_theta_digest": self.theta_digest,
+            "applied": self.applied,
+            "syncs": self.syncs,
+            "sync_failures": self.failures,
+            "last_sync_age_s": time.monotonic() - self.last_sync if self.syncs else None,
+        }
+
+    def gauges(self) -> list[tuple[str, str, float]]:
+        fleet = self.fleet
+        return [
+            ("eva0_fleet_replicas", "Live replicas in the fleet (at the last sync)",
+             float(fleet.get("replicas", 0))),
+            ("eva0_fleet_merges", "Merges of the fleet state (at the last sync)",
+             float(fleet.get("merges", 0))),
+            ("eva0_fleet_version", "Newest fleet-state version (at the last sync)",
+             float(fleet.get("version", 0))),
+            ("eva0_fleet_applied_version", "Fleet-state version this replica applied last",
+             float(self.version)),
+            ("eva0_fleet_syncs", "Reports of this replica to the fleet state", float(self.syncs)),
+            ("eva0_fleet_sync_failures", "Failed reports of this replica", float(self.failures)),
+        ]
+
+
+class EdgeReplica:
+    """The Ray Serve deployment class (wrapped by :func:`.serve.replica_deployment`): loads the
+    model, joins the fleet, and serves ``create_app`` through the ingress."""
+
+    def __init__(self, spec: ReplicaSpec, actor: Any) -> None:
+        from ray import serve
+
+        replica = serve.get_replica_context().replica_id.unique_id
+        seed = spec.seed + zlib.crc32(replica.encode()) % 100_000
+        self.model = load_method(**{**spec.load, "seed": seed})
+        if not isinstance(self.model, AdaptiveModel):
+            raise ValueError(f"the fleet merges EVA-0-family states; {spec.load['name']} keeps "
+                             "none")
+        self.sync = FleetSync(actor, replica, self.model, spec.sync_every_s)
+        self.options = spec.options
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return create_app(self.model, self.options, self.sync)

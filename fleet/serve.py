@@ -1,0 +1,99 @@
+"""``eva0-edge serve --replicas N``: the Open Inference Protocol server as a Ray Serve
+application of N replicas (:mod:`.replica`) whose adaptation is merged by one fleet-state actor
+(:mod:`.state_actor`). Starts a local Ray instance, or joins a cluster (``--ray-address``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from eva0_edge.runtime.engine import AdaptiveModel
+from eva0_edge.runtime.methods import load_method
+
+from .replica import EdgeReplica, ReplicaSpec
+from .state_actor import FleetConfig, FleetState
+
+log = logging.getLogger("eva0_edge.fleet")
+
+APP_NAME = "eva0-edge"
+NAMESPACE = "eva0-edge"
+# Ray Serve gives its HTTP proxy 5 s to come up and 10 s per health check: on a small, busy
+# device the proxy's imports alone take longer, and Serve then kills and restarts it forever.
+SERVE_TIMEOUTS = {
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+}
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Join the cluster at ``address`` or start a local instance (``num_cpus`` logical CPUs,
+    default: this machine's); no dashboard."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    for key, value in SERVE_TIMEOUTS.items():  # the local instance's processes inherit them
+        os.environ.setdefault(key, value)
+    runtime_env = {"env_vars": {k: os.environ[k] for k in SERVE_TIMEOUTS}}
+    if address:
+        ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING,
+                 runtime_env=runtime_env)
+    else:
+        ray.init(num_cpus=num_cpus or os.cpu_count(), namespace=NAMESPACE,
+                 include_dashboard=False, logging_level=logging.WARNING,
+                 runtime_env=runtime_env)
+
+
+def fleet_actor(spec: ReplicaSpec, config: FleetConfig, probe: Any = None) -> Any:
+    """The named fleet-state actor of ``spec``'s model (created, or the running one); Ray
+    restarts it if its process dies, and it resumes from ``config.state_dir``. ``probe``: the
+    model already loaded from ``spec`` (its initial state, fingerprint and sizes), else loaded
+    here."""
+    import ray
+
+    probe = probe if probe is not None else load_method(**spec.load)
+    if not isinstance(probe, AdaptiveModel):
+        raise ValueError(f"the fleet merges EVA-0-family states; {spec.load['name']} keeps none")
+    actor_cls = ray.remote(FleetState)
+    return actor_cls.options(
+        name=f"fleet-{spec.options.name}", get_if_exists=True, num_cpus=0,
+        max_restarts=-1, max_task_retries=-1,
+    ).remote(probe.state_dict(), probe.fingerprint, probe.state_sizes(), probe.method, config)
+
+
+def start_fleet(
+    spec: ReplicaSpec, replicas: int, config: FleetConfig, host: str = "127.0.0.1",
+    port: int = 8000, ray_address: str | None = None, replica_cpus: float = 1.0,
+    blocking: bool = True, probe: Any = None,
+) -> Any:
+    """Deploy ``replicas`` replicas of ``spec`` behind Ray Serve's proxy on ``host:port``
+    (route prefix ``/``: the plain server's URLs). Blocks until interrupted when ``blocking``;
+    else returns the application's handle."""
+    from ray import serve
+
+    if replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {replicas}")
+    init_ray(ray_address, None if ray_address else max(os.cpu_count() or 1,
+                                                         int(replicas * replica_cpus) + 1))
+    actor = fleet_actor(spec, config, probe)
+    serve.start(http_options={"host": host, "port": port})
+    deployment = serve.deployment(
+        serve.ingress()(EdgeReplica), name="replica", num_replicas=replicas,
+        max_ongoing_requests=max(2 * spec.options.max_batch, 16),
+        ray_actor_options={"num_cpus": replica_cpus}, health_check_period_s=2.0,
+        graceful_shutdown_timeout_s=10.0,
+    )
+    log.info("fleet of %d replicas of %s on %s:%d", replicas, spec.options.name, host, port)
+    return serve.run(deployment.bind(spec, actor), name=APP_NAME, route_prefix="/",
+                     blocking=blocking)
+
+
+def shutdown() -> None:
+    """Stop the Serve application and the local Ray instance (tests, the CLI on exit)."""
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()

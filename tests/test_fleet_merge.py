@@ -1,0 +1,180 @@
+"""The fleet's merge rule and state actor, without Ray: replicas simulated as states."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eva0_edge.fleet.merge import Report, apply_merged, feature_distance, merge, progress
+from eva0_edge.fleet.state_actor import FleetConfig, FleetState
+from eva0_edge.runtime.state import AdaptState, decode_state
+
+P, K, F = 6, 3, 4
+SIZES = {"theta": P, "anchor": P, "velocity": P, "healthy_theta": P, "center": K, "mean": F,
+         "second_moment": F, "shift_mean": F, "shift_recent": F}
+
+
+def source() -> AdaptState:
+    return AdaptState.initial(np.linspace(-1, 1, P), K, F, seed=0)
+
+
+def adapted(base: AdaptState, rng: np.random.Generator, mean: float = 0.0,
+            steps: int = 5) -> AdaptState:
+    """``base`` after a few made-up steps on a domain whose features centre on ``mean``."""
+    state = base.copy()
+    state.theta = state.theta + rng.normal(0, 0.1, P).astype(np.float32)
+    state.velocity = state.velocity + rng.normal(0, 0.01, P).astype(np.float32)
+    state.center = state.center + rng.normal(0, 0.1, K)
+    state.mean = mean + rng.normal(0, 0.05, F)
+    state.second_moment = state.mean**2 + 1.0
+    state.stat_weight = min(1.0, state.stat_weight + 0.2)
+    state.step += steps
+    return state
+
+
+def test_merge_of_fresh_reports_is_their_weighted_average():
+    rng = np.random.default_rng(0)
+    g = source()
+    a, b = adapted(g, rng), adapted(g, rng)
+    reports = [Report("a", a, progress(a, g), 30), Report("b", b, progress(b, g), 10)]
+    merged, kept, left_out = merge(g, reports, threshold=1.0)
+    assert kept == ["a", "b"] and left_out == []
+    np.testing.assert_allclose(merged.theta, 0.75 * a.theta + 0.25 * b.theta, rtol=1e-6)
+    np.testing.assert_allclose(merged.center, 0.75 * a.center + 0.25 * b.center)
+    assert merged.theta.dtype == np.float32
+
+
+def test_applying_the_merge_keeps_local_progress_and_counters():
+    rng = np.random.default_rng(1)
+    g = source()
+    reported = adapted(g, rng)
+    reported.guard_trips, reported.clipped_coefs = 2, 7
+    merged = adapted(g, rng)
+    quiet = apply_merged(merged, reported, reported)
+    np.testing.assert_array_equal(quiet.theta, merged.theta)  # no step since the report: exact
+    assert (quiet.guard_trips, quiet.clipped_coefs, quiet.step) == (2, 7, reported.step)
+    later = adapted(reported, rng)
+    busy = apply_merged(merged, reported, later)
+    np.testing.assert_allclose(busy.theta, merged.theta + (later.theta - reported.theta), atol=1e-6)
+
+
+def test_a_replica_in_another_domain_stays_out_and_keeps_its_state():
+    rng = np.random.default_rng(2)
+    g = source()
+    near = [adapted(g, rng, mean=0.0) for _ in range(2)]
+    far = adapted(g, rng, mean=3.0)
+    assert feature_distance(near[0], near[1]) < 0.2 < 2.5 < feature_distance(near[0], far)
+    reports = [Report(n, s, progress(s, g), 10) for n, s in zip("abc", [*near, far], strict=True)]
+    merged, kept, left_out = merge(g, reports, threshold=1.0)
+    assert kept == ["a", "b"] and left_out == ["c"]
+    np.testing.assert_allclose(merged.theta, (near[0].theta + near[1].theta) / 2, rtol=1e-6)
+
+
+def _fleet(tmp_path=None) -> FleetState:
+    config = FleetConfig(threshold=1.0, state_dir=str(tmp_path) if tmp_path else None)
+    return FleetState(source().to_dict(), "fp", SIZES, "eva0", config)
+
+
+class SimReplica:
+    """A replica's accounting as :class:`~eva0_edge.fleet.replica.FleetSync` does it."""
+
+    def __init__(self, fleet: FleetState, name: str, seed: int) -> None:
+        self.fleet, self.name = fleet, name
+        self.rng = np.random.default_rng(seed)
+        version, merged = fleet.join(name)
+        self.state = source() if merged is None else AdaptState.from_dict(merged)
+        self.accounted = self.state.copy()
+
+    def step(self) -> None:
+        self.state = adapted(self.state, self.rng, steps=1)
+
+    def sync(self, healthy: bool = True) -> int | None:
+        reported = self.state.copy()
+        version, merged, _ = self.fleet.report(
+            self.name, reported.to_dict(), progress(reported, self.accounted), 4, healthy
+        )
+        self.accounted = reported
+        if merged is None:
+            return None
+        fleet_state = AdaptState.from_dict(merged)
+        self.state = apply_merged(fleet_state, reported, self.state)
+        self.accounted = fleet_state
+        return version
+
+
+def test_after_a_quiet_round_every_replica_holds_the_fleet_state():
+    fleet = _fleet()
+    replicas = [SimReplica(fleet, n, i) for i, n in enumerate("abc")]
+    for _ in range(4):  # interleaved steps and syncs, reports ahead of and behind merges
+        for r in replicas:
+            r.step()
+            r.sync()
+        replicas[0].step()
+        replicas[0].sync()
+    for _ in range(2):  # no traffic: one round merges the rest, the next hands it out
+        for r in replicas:
+            r.sync()
+    thetas = [r.state.theta for r in replicas]
+    for theta in thetas[1:]:
+        np.testing.assert_array_equal(theta, thetas[0])
+    np.testing.assert_array_equal(thetas[0], fleet.state.theta)
+    assert fleet.statistics()["replicas"] == 3 and fleet.version >= 5
+
+
+def test_progress_is_counted_once():
+    """a adapts, b idles: a's two reports before the merge add up (8 samples against b's 4), so
+    the fleet moves 8/12 of a's progress; later quiet rounds leave it there (nothing counted
+    twice)."""
+    fleet = _fleet()
+    a, b = SimReplica(fleet, "a", 0), SimReplica(fleet, "b", 1)
+    a.step()
+    a.sync()
+    a.step()
+    own = a.state.theta.copy()
+    a.sync()
+    b.sync()  # the merge
+    expected = source().theta + (8 / 12) * (own - source().theta)
+    np.testing.assert_allclose(fleet.state.theta, expected, atol=1e-6)
+    for _ in range(3):
+        a.sync()
+        b.sync()
+    np.testing.assert_allclose(fleet.state.theta, expected, atol=1e-6)
+    np.testing.assert_array_equal(a.state.theta, fleet.state.theta)
+
+
+def test_an_unhealthy_replica_stays_out_but_takes_the_fleet_state():
+    fleet = _fleet()
+    a, b = SimReplica(fleet, "a", 0), SimReplica(fleet, "b", 1)
+    a.step()
+    b.step()
+    a.sync()
+    bad_theta = b.state.theta.copy()
+    assert b.sync(healthy=False) is not None  # the merge: a's progress only
+    np.testing.assert_array_equal(b.state.theta, a.state.theta)
+    assert not np.array_equal(b.state.theta, bad_theta)
+    assert fleet.statistics()["left_out_unhealthy"] == 1
+
+
+def test_fleet_snapshots_verify_and_a_restarted_actor_resumes(tmp_path):
+    fleet = _fleet(tmp_path)
+    a, b = SimReplica(fleet, "a", 0), SimReplica(fleet, "b", 1)
+    for r in (a, b):
+        r.step()
+        r.sync()
+    files = sorted(tmp_path.glob("snapshot-*.npz"))
+    assert len(files) == 1
+    state, info = decode_state(files[0].read_bytes(), "fp", SIZES)
+    np.testing.assert_array_equal(state.theta, fleet.state.theta)
+    restarted = _fleet(tmp_path)
+    assert restarted.version == fleet.version == info["fleet_version"] == 1
+    c = SimReplica(restarted, "c", 2)  # a new replica starts from the fleet state
+    np.testing.assert_array_equal(c.state.theta, fleet.state.theta)
+
+
+@pytest.mark.parametrize("bad", ["theta", "mean"])
+def test_a_report_of_the_wrong_shape_is_refused(bad):
+    fleet = _fleet()
+    state = source()
+    setattr(state, bad, np.zeros(2, dtype=getattr(state, bad).dtype))
+    with pytest.raises(ValueError):
+        fleet.report("a", state.to_dict(), progress(source(), source()), 1, True)
