@@ -35,7 +35,15 @@ def _cmd_eval(args: argparse.Namespace) -> None:
         threads=args.threads,
         prompt_model=args.prompt_model,
     )
-    results = evaluate(spec, args.out, progress=not args.quiet)
+    if args.ray is None:
+        results = evaluate(spec, args.out, progress=not args.quiet)
+    else:
+        try:
+            from eva0_edge.bench.fanout import evaluate_on_ray
+        except ImportError as err:
+            raise missing_extra("eval --ray", "fleet", err) from err
+        address = None if args.ray == "local" else args.ray
+        results = evaluate_on_ray(spec, address, args.out)
     print(markdown_table(results))
     for name, result in results.items():
         if result.skipped_steps:
@@ -109,6 +117,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, help="intra-op threads of ORT and torch")
     p.add_argument("--prompt-model", help="prompt model (export --prompts) for foa, foa-dagger "
                    "and eva0-clubs (default: the shipped model's prompt variant, cached)")
+    p.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                   help="run the independent cells as Ray tasks, on a local instance or the "
+                   "cluster at ADDRESS (the [fleet] extra); same results as a local run")
     add_runtime_options(p)
     p.set_defaults(func=_cmd_eval)
 

@@ -56,7 +56,7 @@ def known_methods() -> list[str]:
     return [*RUNTIME_METHODS, *BACKPROP]
 
 
-def _check_method(name: str) -> None:
+def check_method(name: str) -> None:
     if name not in BACKPROP:
         try:
             base_name(name)
@@ -149,7 +149,7 @@ def evaluate(
     """Run every method of ``spec`` at every batch size; write the report to ``out_dir`` if
     given. Keys: the method name, with `` B=<batch>`` appended when several batch sizes run."""
     for name in spec.methods:
-        _check_method(name)
+        check_method(name)
     split_overrides(spec.overrides)
     sizes = batch_sizes(spec)
     metadata = read_metadata(spec.model)

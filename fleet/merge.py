@@ -105,12 +105,12 @@ def _bounded(state: AdaptState) -> AdaptState:
 def merge(
     current: AdaptState, reports: list[Report], threshold: float
 ) -> tuple[AdaptState | None, list[str], list[str]]:
-    """The new fleet state (None when no report qualifies), the replicas it averaged, and those
-    left out (disagreeing or unhealthy)."""
+    """The new fleet state (None when no kept report adapted on any image since the last
+    merge), the replicas it averaged, and those left out (disagreeing or unhealthy)."""
     group = set(agreeing(reports, threshold))
     kept = [r for i, r in enumerate(reports) if i in group and r.healthy]
     left_out = [r.replica for r in reports if all(r is not k for k in kept)]
-    if not kept:
+    if not any(r.samples for r in kept):  # nothing new: the fleet state stays as it is
         return None, [], left_out
     weights = np.array([max(r.samples, 1) for r in kept], dtype=np.float64)
     weights /= weights.sum()

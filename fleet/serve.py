@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import time
 from typing import Any
 
 from eva0_edge.runtime.engine import AdaptiveModel
@@ -85,8 +87,22 @@ def start_fleet(
         graceful_shutdown_timeout_s=10.0,
     )
     log.info("fleet of %d replicas of %s on %s:%d", replicas, spec.options.name, host, port)
-    return serve.run(deployment.bind(spec, actor), name=APP_NAME, route_prefix="/",
-                     blocking=blocking)
+    handle = serve.run(deployment.bind(spec, actor), name=APP_NAME, route_prefix="/")
+    if not blocking:
+        return handle
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        log.info("stopping the fleet")
+    finally:
+        shutdown()
+    return None
+
+
+def _interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def shutdown() -> None:

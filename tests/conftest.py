@@ -111,6 +111,7 @@ INTEGRATION_FIXTURES = {
 }
 INTEGRATION_MODULES = {
     "tests.test_serve", "tests.test_testbed", "tests.test_cost_bench", "tests.test_export",
+    "tests.test_fleet", "tests.test_fanout",
     "tests.test_cuda",
 }
 

@@ -25,13 +25,14 @@ def free_port() -> int:
 class ServerProcess:
     """``eva0-edge serve`` in a subprocess; ``client`` is a tritonclient HTTP client."""
 
-    def __init__(self, log_path: Path, *args: str, model: Path = MODEL) -> None:
+    def __init__(self, log_path: Path, *args: str, model: Path = MODEL,
+                 ready_timeout: float = 60.0) -> None:
         self.log_path = log_path
         self._log = open(log_path, "ab")
         for attempt in range(3):  # the free port may be taken before the server binds it
             self._start(model, args)
             try:
-                self._wait_ready()
+                self._wait_ready(ready_timeout)
                 return
             except RuntimeError:
                 if attempt == 2 or "address already in use" not in self.log():
@@ -74,12 +75,13 @@ class ServerProcess:
         self.process.wait(10)
         self.client.close()
 
-    def stop(self) -> bool:
-        """SIGTERM; True when the server shut down gracefully (its lifespan ran to the end and
-        logged its final line; uvicorn then re-raises the signal, so the status is -15)."""
+    def stop(self, graceful_marker: str = "stopped at step") -> bool:
+        """SIGTERM; True when the server shut down gracefully (it logged ``graceful_marker``:
+        the plain server's lifespan ran to the end; uvicorn then re-raises the signal, so the
+        status is -15)."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-            self.process.wait(30)
+            self.process.wait(60)
         self.client.close()
         self._log.close()
-        return self.process.returncode in (0, -signal.SIGTERM) and "stopped at step" in self.log()
+        return self.process.returncode in (0, -signal.SIGTERM) and graceful_marker in self.log()

@@ -88,10 +88,10 @@ class SimReplica:
     def step(self) -> None:
         self.state = adapted(self.state, self.rng, steps=1)
 
-    def sync(self, healthy: bool = True) -> int | None:
+    def sync(self, healthy: bool = True, samples: int = 4) -> int | None:
         reported = self.state.copy()
         version, merged, _ = self.fleet.report(
-            self.name, reported.to_dict(), progress(reported, self.accounted), 4, healthy
+            self.name, reported.to_dict(), progress(reported, self.accounted), samples, healthy
         )
         self.accounted = reported
         if merged is None:
@@ -111,9 +111,13 @@ def test_after_a_quiet_round_every_replica_holds_the_fleet_state():
             r.sync()
         replicas[0].step()
         replicas[0].sync()
-    for _ in range(2):  # no traffic: one round merges the rest, the next hands it out
+    for r in replicas:  # the last images: one round merges them
+        r.sync()
+    version = fleet.version
+    for _ in range(3):  # no traffic: the next round hands the merge out, and nothing moves
         for r in replicas:
-            r.sync()
+            r.sync(samples=0)
+    assert fleet.version == version
     thetas = [r.state.theta for r in replicas]
     for theta in thetas[1:]:
         np.testing.assert_array_equal(theta, thetas[0])

@@ -1,0 +1,39 @@
+"""``eva0-edge eval --ray``: the cells as tasks on a real local Ray instance give the local
+run's numbers to the digit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eva0_edge.bench.evaluate import EvalSpec, evaluate
+
+from .serving import MODEL
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.parametrize("protocol", ["single", "continual"])
+def test_fan_out_equals_the_local_run(local_ray, protocol, tmp_path):
+    from eva0_edge.bench.fanout import evaluate_on_ray
+
+    spec = EvalSpec(
+        model=str(MODEL), dataset="fmnist-c", protocol=protocol, severity=5, batch_size=8,
+        methods=["noadapt", "eva0"], batch_sizes=[1, 8],
+        corruptions=["gaussian_noise", "fog", "contrast"], limit=24, threads=1,
+    )
+    local = evaluate(spec, progress=False)
+    fanned = evaluate_on_ray(spec, out_dir=tmp_path)
+    assert list(fanned) == list(local)
+    for key, result in local.items():
+        assert fanned[key].accuracy == result.accuracy, key
+        np.testing.assert_array_equal(fanned[key].batch_correct, result.batch_correct)
+        np.testing.assert_allclose(fanned[key].drift, result.drift, rtol=1e-6)
+    assert (tmp_path / "results.json").is_file()
