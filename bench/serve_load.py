@@ -10,6 +10,9 @@ per request, client side (send to parsed response); throughput is images per sec
 time. ``--delays adaptive,fixed`` runs each method under both batching delays (the server's
 default, adaptive, and ``--fixed-delay``). The clients share the machine with the server: on a
 2-core machine they take CPU from it, so the numbers are for the whole client + server system.
+``--replicas 0,1,2`` repeats everything on the plain server (0) and on fleets of 1 and 2 Ray Serve
+replicas (``serve --replicas N``, the [fleet] extra; ``--threads`` is then each replica's ORT
+threads; the rows-per-step column is one replica's, from the ``/metrics`` that answered).
 Output: a table, ``serve_load.json`` and ``serve_load.png``.
 """
 
@@ -45,9 +48,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class _Server:
+class ServeProcess:
+    """``eva0-edge serve`` (``replicas`` > 0: a fleet) in a subprocess on a free loopback port;
+    ``extra``: more command-line options."""
+
     def __init__(
         self, model: str, method: str, threads: int | None, max_delay_ms: float, delay: str,
+        replicas: int = 0, extra: tuple[str, ...] = (),
     ) -> None:
         self.port = _free_port()
         self.url = f"127.0.0.1:{self.port}"
@@ -59,9 +66,13 @@ class _Server:
             command.append("--fixed-delay")
         if threads:
             command += ["--threads", str(threads)]
+        if replicas:
+            command += ["--replicas", str(replicas)]
+        command += list(extra)
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
         client = httpclient.InferenceServerClient(self.url)
-        deadline = time.monotonic() + 120
+        wait_s = 600 if replicas else 120
+        deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 self.log.seek(0)
@@ -72,7 +83,7 @@ class _Server:
                     return
             except Exception:  # noqa: BLE001 - not listening yet
                 time.sleep(0.1)
-        raise RuntimeError("server not ready after 120 s")
+        raise RuntimeError(f"server not ready after {wait_s} s")
 
     def step_counts(self) -> tuple[float, float]:
         """(rows, steps) so far, from the server's Prometheus metrics."""
@@ -116,10 +127,11 @@ def _load(url: str, name: str, x: np.ndarray, clients: int, requests: int, warmu
 def run_load(
     model: str, concurrency: list[int], methods: list[str], batch: int = 1, requests: int = 50,
     warmup: int = 3, threads: int | None = None, max_delay_ms: float = 10.0,
-    delays: tuple[str, ...] = ("adaptive",),
+    delays: tuple[str, ...] = ("adaptive",), replicas: tuple[int, ...] = (0,),
 ) -> dict[str, Any]:
-    """Run every method under every delay mode ('adaptive', 'fixed') at every concurrency;
-    returns the report dict (times in ms)."""
+    """Run every method under every delay mode ('adaptive', 'fixed') on every server (0: the
+    plain one, N: a fleet of N replicas) at every concurrency; returns the report dict (times in
+    ms)."""
     unknown = set(delays) - {"adaptive", "fixed"}
     if unknown:
         raise ValueError(f"unknown delay mode(s) {sorted(unknown)}: use adaptive, fixed")
@@ -128,8 +140,8 @@ def run_load(
     name = Path(model).stem
     env_start = environment()
     rows = []
-    for method, delay in ((m, d) for m in methods for d in delays):
-        server = _Server(model, method, threads, max_delay_ms, delay)
+    for method, delay, fleet in ((m, d, n) for m in methods for d in delays for n in replicas):
+        server = ServeProcess(model, method, threads, max_delay_ms, delay, fleet)
         try:
             for clients in concurrency:
                 rows_before, steps_before = server.step_counts()
@@ -137,7 +149,8 @@ def run_load(
                 rows_after, steps_after = server.step_counts()
                 steps = steps_after - steps_before
                 rows.append({
-                    "method": method, "delay": delay, "concurrency": clients, "batch": batch,
+                    "method": method, "delay": delay, "replicas": fleet,
+                    "concurrency": clients, "batch": batch,
                     "requests": int(latencies.size),
                     "images_per_s": clients * (requests + warmup) * batch / wall,
                     "p50_ms": 1000 * float(np.percentile(latencies, 50)),
@@ -146,7 +159,8 @@ def run_load(
                     "rows_per_step": (rows_after - rows_before) / steps if steps else None,
                 })
                 r = rows[-1]
-                print(f"{method} ({delay}) x{clients}: {r['images_per_s']:.1f} img/s, p50 "
+                print(f"{method} ({delay}, replicas {fleet}) x{clients}: "
+                      f"{r['images_per_s']:.1f} img/s, p50 "
                       f"{r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms", flush=True)
         finally:
             server.stop()
@@ -164,13 +178,15 @@ def markdown(report: dict[str, Any]) -> str:
         f"{machine_line(report)} Server max delay {report['max_delay_ms']} ms; the clients run "
         "on the same machine.",
         "",
-        "| method | delay | clients | batch | images/s | p50 ms | p99 ms | rows per step |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | delay | replicas | clients | batch | images/s | p50 ms | p99 ms "
+        "| rows per step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         per_step = "-" if r["rows_per_step"] is None else f"{r['rows_per_step']:.2f}"
         lines.append(
-            f"| {r['method']} | {r.get('delay', 'fixed')} | {r['concurrency']} | {r['batch']} | "
+            f"| {r['method']} | {r.get('delay', 'fixed')} | {r.get('replicas', 0) or 'plain'} | "
+            f"{r['concurrency']} | {r['batch']} | "
             f"{r['images_per_s']:.1f} | "
             f"{r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {per_step} |"
         )
@@ -180,8 +196,12 @@ def markdown(report: dict[str, Any]) -> str:
 def plot(report: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for method in dict.fromkeys((r["method"], r.get("delay", "fixed")) for r in report["rows"]):
-        rows = [r for r in report["rows"] if (r["method"], r.get("delay", "fixed")) == method]
+    def label(r: dict[str, Any]) -> tuple[str, ...]:
+        n = r.get("replicas", 0)
+        return r["method"], r.get("delay", "fixed"), f"x{n}" if n else "plain"
+
+    for method in dict.fromkeys(label(r) for r in report["rows"]):
+        rows = [r for r in report["rows"] if label(r) == method]
         method = " ".join(method)
         c = [r["concurrency"] for r in rows]
         axes[0].plot(c, [r["images_per_s"] for r in rows], "o-", label=method)
@@ -208,6 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-delay-ms", type=float, default=10.0)
     parser.add_argument("--delays", default="adaptive",
                         help="batching delay modes, comma-separated: adaptive, fixed")
+    parser.add_argument("--replicas", default="0", help="servers, comma-separated: 0 = the "
+                        "plain server, N = a Ray Serve fleet of N replicas")
     parser.add_argument("--out", help="folder for serve_load.md / .json / .png")
     args = parser.parse_args(argv)
     report = run_load(
@@ -215,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         [m.strip() for m in args.methods.split(",") if m.strip()], args.batch, args.requests,
         args.warmup, args.threads, args.max_delay_ms,
         tuple(d.strip() for d in args.delays.split(",") if d.strip()),
+        tuple(int(n) for n in args.replicas.split(",")),
     )
     print(markdown(report))
     if args.out:

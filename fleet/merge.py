@@ -9,11 +9,14 @@ previous report, or the fleet state it last applied). A merge of the fleet state
    standard deviation, :func:`feature_distance`) form groups; the group with the most samples
    is the fleet's domain; the others (another domain) keep adapting on their own;
 2. leaves out unhealthy reports (the health guard tripped or held, or the replica is frozen);
-3. moves G by the sample-weighted average of the kept progress: theta, anchor, velocity, the
-   guard's healthy checkpoint, the output centre and feature moments, and the weights and
-   scales that go with them (weights: images adapted on since the last accounted point, at
-   least one); the activation-shift windows become the weighted average of the kept replicas'
-   windows.
+3. moves G by the kept progress: theta, anchor, velocity, the guard's healthy checkpoint, the
+   output centre and feature moments, and the weights and scales that go with them. ``"sum"``
+   (the default) adds the replicas' progress: they adapted on distinct images of one stream, so
+   to first order the fleet moves as one process that saw all of them would (every rate is per
+   sample); ``"mean"`` moves G by the sample-weighted average (weights: images adapted on since
+   the last accounted point, at least one), so the fleet adapts per image at 1/N of one
+   process's rate. The activation-shift windows become the sample-weighted average of the kept
+   replicas' windows.
 
 A replica that applies G keeps its progress since its report (:func:`apply_merged`) and
 accounts from G on, so no progress is lost or counted twice. With no step between a report and
@@ -102,8 +105,11 @@ def _bounded(state: AdaptState) -> AdaptState:
     return state
 
 
+COMBINE = ("sum", "mean")
+
+
 def merge(
-    current: AdaptState, reports: list[Report], threshold: float
+    current: AdaptState, reports: list[Report], threshold: float, combine: str = "sum"
 ) -> tuple[AdaptState | None, list[str], list[str]]:
     """The new fleet state (None when no kept report adapted on any image since the last
     merge), the replicas it averaged, and those left out (disagreeing or unhealthy)."""
@@ -112,14 +118,17 @@ def merge(
     left_out = [r.replica for r in reports if all(r is not k for k in kept)]
     if not any(r.samples for r in kept):  # nothing new: the fleet state stays as it is
         return None, [], left_out
+    if combine not in COMBINE:
+        raise ValueError(f"combine must be one of {COMBINE}, got {combine!r}")
     weights = np.array([max(r.samples, 1) for r in kept], dtype=np.float64)
     weights /= weights.sum()
+    scales = np.ones(len(kept)) if combine == "sum" else weights
     merged = current.copy()
     for name in MERGED_ARRAYS:
-        step = weights @ np.stack([r.progress[name] for r in kept])
+        step = scales @ np.stack([r.progress[name] for r in kept])
         setattr(merged, name, (getattr(current, name) + step).astype(getattr(current, name).dtype))
     for name in MERGED_SCALARS:
-        step = float(weights @ np.array([r.progress[name] for r in kept]))
+        step = float(scales @ np.array([r.progress[name] for r in kept]))
         setattr(merged, name, float(getattr(current, name) + step))
     shifted = [(w, r.state) for w, r in zip(weights, kept, strict=True) if r.state.shift_mean.size]
     if shifted and len({s.shift_mean.size for _, s in shifted}) == 1:

@@ -80,8 +80,10 @@ class FleetSync:
         self._trips = model.health().guard_trips
 
     def start(self, worker: AdaptationWorker) -> None:
+        """Start reporting (never with ``every_s`` <= 0: the replica adapts alone)."""
         self.worker = worker
-        self._thread.start()
+        if self.every_s > 0:
+            self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()

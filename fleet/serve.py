@@ -64,6 +64,26 @@ def fleet_actor(spec: ReplicaSpec, config: FleetConfig, probe: Any = None) -> An
     ).remote(probe.state_dict(), probe.fingerprint, probe.state_sizes(), probe.method, config)
 
 
+def fleet_application(
+    spec: ReplicaSpec, replicas: int, config: FleetConfig, replica_cpus: float = 1.0,
+    probe: Any = None,
+) -> Any:
+    """The Ray Serve application: the fleet-state actor (created or found) and ``replicas``
+    replicas of ``spec`` bound to it (needs a running Ray)."""
+    from ray import serve
+
+    if replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {replicas}")
+    actor = fleet_actor(spec, config, probe)
+    deployment = serve.deployment(
+        serve.ingress()(EdgeReplica), name="replica", num_replicas=replicas,
+        max_ongoing_requests=max(2 * spec.options.max_batch, 16),
+        ray_actor_options={"num_cpus": replica_cpus}, health_check_period_s=2.0,
+        graceful_shutdown_timeout_s=10.0,
+    )
+    return deployment.bind(spec, actor)
+
+
 def start_fleet(
     spec: ReplicaSpec, replicas: int, config: FleetConfig, host: str = "127.0.0.1",
     port: int = 8000, ray_address: str | None = None, replica_cpus: float = 1.0,
@@ -78,16 +98,10 @@ def start_fleet(
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
     init_ray(ray_address, None if ray_address else max(os.cpu_count() or 1,
                                                          int(replicas * replica_cpus) + 1))
-    actor = fleet_actor(spec, config, probe)
+    application = fleet_application(spec, replicas, config, replica_cpus, probe)
     serve.start(http_options={"host": host, "port": port})
-    deployment = serve.deployment(
-        serve.ingress()(EdgeReplica), name="replica", num_replicas=replicas,
-        max_ongoing_requests=max(2 * spec.options.max_batch, 16),
-        ray_actor_options={"num_cpus": replica_cpus}, health_check_period_s=2.0,
-        graceful_shutdown_timeout_s=10.0,
-    )
     log.info("fleet of %d replicas of %s on %s:%d", replicas, spec.options.name, host, port)
-    handle = serve.run(deployment.bind(spec, actor), name=APP_NAME, route_prefix="/")
+    handle = serve.run(application, name=APP_NAME, route_prefix="/")
     if not blocking:
         return handle
     signal.signal(signal.SIGTERM, _interrupt)

@@ -32,10 +32,12 @@ log = logging.getLogger("eva0_edge.fleet")
 @dataclass
 class FleetConfig:
     """threshold: feature distance beyond which a replica is another domain (see
-    :func:`.merge.feature_distance`); live_s: seconds after which a silent replica no longer
+    :func:`.merge.feature_distance`); combine: how progress combines, "sum" or "mean" (see
+    :mod:`.merge`); live_s: seconds after which a silent replica no longer
     holds a merge back; state_dir / keep: fleet snapshots (None: memory only)."""
 
     threshold: float = 1.0
+    combine: str = "sum"
     live_s: float = 10.0
     state_dir: str | None = None
     keep: int = 3
@@ -147,7 +149,9 @@ class FleetState:
 
     def _merge(self, entries: list[_Replica]) -> None:
         reports = [e.report for e in entries if e.report is not None]
-        merged, kept, left_out = merge(self.state, reports, self.config.threshold)
+        merged, kept, left_out = merge(
+            self.state, reports, self.config.threshold, self.config.combine
+        )
         unhealthy = {r.replica for r in reports if not r.healthy}
         for entry in entries:
             assert entry.report is not None

@@ -230,8 +230,11 @@ def _serve_fleet(args: argparse.Namespace, model: RuntimeModel, options: ServeOp
     )
     spec = ReplicaSpec(load, dataclasses.replace(options, state_dir=None), args.sync_every_s,
                        args.seed)
-    config = FleetConfig(threshold=args.fleet_threshold, state_dir=args.state_dir,
+    config = FleetConfig(threshold=args.fleet_threshold, combine=args.fleet_combine,
+                         state_dir=args.state_dir,
                          keep=args.keep_snapshots, live_s=max(10.0, 5 * args.sync_every_s))
+    if args.sync_every_s < 0:
+        raise ValueError(f"--sync-every-s must be >= 0, got {args.sync_every_s}")
     start_fleet(spec, args.replicas, config, args.host, args.port, args.ray_address, probe=model)
 
 
@@ -312,9 +315,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "adaptation (the [fleet] extra); --state-dir then holds the fleet's snapshots")
     p.add_argument("--ray-address", help="join this Ray cluster (default: a local instance)")
     p.add_argument("--sync-every-s", type=float, default=2.0,
-                   help="seconds between a replica's reports to the fleet state (default 2)")
+                   help="seconds between a replica's reports to the fleet state (default 2; 0: "
+                   "no merging, every replica adapts alone)")
     p.add_argument("--fleet-threshold", type=float, default=1.0,
                    help="feature distance beyond which a replica is another domain and stays "
                    "out of the merge (default 1.0)")
+    p.add_argument("--fleet-combine", default="sum", choices=["sum", "mean"],
+                   help="a merge adds the replicas' progress (sum: the fleet adapts per image as "
+                   "one process would) or averages it (mean); default sum")
     p.set_defaults(func=_cmd_serve)
 

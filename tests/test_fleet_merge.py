@@ -32,16 +32,20 @@ def adapted(base: AdaptState, rng: np.random.Generator, mean: float = 0.0,
     return state
 
 
-def test_merge_of_fresh_reports_is_their_weighted_average():
+def test_merge_adds_progress_or_takes_its_weighted_average():
     rng = np.random.default_rng(0)
     g = source()
     a, b = adapted(g, rng), adapted(g, rng)
     reports = [Report("a", a, progress(a, g), 30), Report("b", b, progress(b, g), 10)]
-    merged, kept, left_out = merge(g, reports, threshold=1.0)
+    mean, kept, left_out = merge(g, reports, threshold=1.0, combine="mean")
     assert kept == ["a", "b"] and left_out == []
-    np.testing.assert_allclose(merged.theta, 0.75 * a.theta + 0.25 * b.theta, rtol=1e-6)
-    np.testing.assert_allclose(merged.center, 0.75 * a.center + 0.25 * b.center)
-    assert merged.theta.dtype == np.float32
+    np.testing.assert_allclose(mean.theta, 0.75 * a.theta + 0.25 * b.theta, rtol=1e-6)
+    np.testing.assert_allclose(mean.center, 0.75 * a.center + 0.25 * b.center)
+    assert mean.theta.dtype == np.float32
+    total, _, _ = merge(g, reports, threshold=1.0)  # "sum": as one process that saw both
+    np.testing.assert_allclose(total.theta, a.theta + b.theta - g.theta, rtol=1e-6)
+    with pytest.raises(ValueError, match="combine"):
+        merge(g, reports, threshold=1.0, combine="max")
 
 
 def test_applying_the_merge_keeps_local_progress_and_counters():
@@ -65,7 +69,7 @@ def test_a_replica_in_another_domain_stays_out_and_keeps_its_state():
     far = adapted(g, rng, mean=3.0)
     assert feature_distance(near[0], near[1]) < 0.2 < 2.5 < feature_distance(near[0], far)
     reports = [Report(n, s, progress(s, g), 10) for n, s in zip("abc", [*near, far], strict=True)]
-    merged, kept, left_out = merge(g, reports, threshold=1.0)
+    merged, kept, left_out = merge(g, reports, threshold=1.0, combine="mean")
     assert kept == ["a", "b"] and left_out == ["c"]
     np.testing.assert_allclose(merged.theta, (near[0].theta + near[1].theta) / 2, rtol=1e-6)
 
@@ -126,9 +130,8 @@ def test_after_a_quiet_round_every_replica_holds_the_fleet_state():
 
 
 def test_progress_is_counted_once():
-    """a adapts, b idles: a's two reports before the merge add up (8 samples against b's 4), so
-    the fleet moves 8/12 of a's progress; later quiet rounds leave it there (nothing counted
-    twice)."""
+    """a adapts, b idles: a's two reports before the merge add up, so the fleet moves all of a's
+    progress; later quiet rounds leave it there (nothing counted twice)."""
     fleet = _fleet()
     a, b = SimReplica(fleet, "a", 0), SimReplica(fleet, "b", 1)
     a.step()
@@ -137,7 +140,7 @@ def test_progress_is_counted_once():
     own = a.state.theta.copy()
     a.sync()
     b.sync()  # the merge
-    expected = source().theta + (8 / 12) * (own - source().theta)
+    expected = own
     np.testing.assert_allclose(fleet.state.theta, expected, atol=1e-6)
     for _ in range(3):
         a.sync()

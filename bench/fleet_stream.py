@@ -1,0 +1,160 @@
+"""Does merging help a fleet? The continual corrupted stream (15 corruptions in a row, severity
+5) sent one image per request to a fleet of N replicas (``serve --replicas N``), with merged
+adaptation (``--combine``: the merge rules to compare) and without (``--sync-every-s 0``),
+against NoAdapt and one process fed the same stream at batch ``--batch`` (``eva0-edge eval
+--protocol continual``).
+
+    python -m eva0_edge.bench.fleet_stream --model models/resnet_gn_fmnist.onnx \\
+        --replicas 4 --limit 300 --out out/fleet-stream
+
+``--clients`` concurrent clients take the stream's images in order (each sends the next
+unsent image), so consecutive images reach different replicas as Ray Serve's router spreads
+them; served accuracy is counted per domain. Output: a table, ``fleet_stream.json`` and
+``fleet_stream.png`` (per-domain accuracy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tritonclient.http as httpclient
+
+from eva0_edge.runtime.modelfile import read_metadata
+
+from .evaluate import EvalSpec, evaluate, load_domains
+from .machine import environment
+from .output import machine_line, pyplot, save_figure, write_outputs
+from .protocols import stream_order
+from .serve_load import ServeProcess
+
+
+def continual_stream(spec: EvalSpec) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """(domain names, images [N, C, H, W] preprocessed, labels [N]) in continual order."""
+    pre = read_metadata(spec.model).preprocessing
+    names, xs, ys = [], [], []
+    for domain in load_domains(spec, progress=False):
+        ordered = domain.subset(stream_order(domain, "continual", spec.seed))
+        for x, y in ordered.batches(256, pre):
+            xs.append(x)
+            ys.append(y)
+            names.extend([domain.name] * len(y))
+    return names, np.concatenate(xs), np.concatenate(ys)
+
+
+def serve_stream(url: str, name: str, x: np.ndarray, clients: int) -> np.ndarray:
+    """Predicted class per image, one image per request, ``clients`` in flight."""
+    order = itertools.count()
+    lock = threading.Lock()
+    predicted = np.full(len(x), -1)
+
+    def client_loop(_: int) -> None:
+        client = httpclient.InferenceServerClient(url)
+        try:
+            while True:
+                with lock:
+                    i = next(order)
+                if i >= len(x):
+                    return
+                tensor = httpclient.InferInput("pixel_values", [1, *x.shape[1:]], "FP32")
+                tensor.set_data_from_numpy(x[i : i + 1])
+                predicted[i] = client.infer(name, [tensor]).as_numpy("logits").argmax()
+        finally:
+            client.close()
+
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(client_loop, range(clients)))
+    return predicted
+
+
+def per_domain(names: list[str], correct: np.ndarray) -> dict[str, float]:
+    domains = list(dict.fromkeys(names))
+    labels = np.array(names)
+    return {d: 100.0 * float(correct[labels == d].mean()) for d in domains}
+
+
+def run(model: str, replicas: int, limit: int, batch: int, clients: int, sync_every_s: float,
+        threads: int, combines: tuple[str, ...] = ("sum",), seed: int = 0) -> dict[str, Any]:
+    spec = EvalSpec(model=model, dataset="fmnist-c", protocol="continual", severity=5,
+                    batch_size=batch, methods=["noadapt", "eva0"], limit=limit, seed=seed,
+                    threads=threads)
+    env_start = environment()
+    local = evaluate(spec, progress=False)
+    rows = {f"{m} (one process, B={batch})": r.accuracy for m, r in local.items()}
+    names, x, y = continual_stream(spec)
+    runs = [(f"eva0 fleet x{replicas}, {c} merged every {sync_every_s:g} s", sync_every_s, c)
+            for c in combines]
+    runs.append((f"eva0 fleet x{replicas}, no merging", 0.0, "sum"))
+    for label, every, combine in runs:
+        server = ServeProcess(model, "eva0", threads, 10.0, "adaptive", replicas,
+                              ("--sync-every-s", str(every), "--fleet-combine", combine))
+        try:
+            predicted = serve_stream(server.url, Path(model).stem, x, clients)
+        finally:
+            server.stop()
+        rows[label] = per_domain(names, predicted == y)
+        print(f"{label}: {np.mean(list(rows[label].values())):.2f}", flush=True)
+    return {
+        "model": Path(model).name, "replicas": replicas, "limit": limit, "batch": batch,
+        "clients": clients, "sync_every_s": sync_every_s, "threads": threads,
+        "environment_start": env_start, "environment_end": environment(),
+        "accuracy": rows,
+        "average": {k: float(np.mean(list(v.values()))) for k, v in rows.items()},
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        f"## Fleet on the continual stream: {report['model']}, {report['replicas']} replicas",
+        "",
+        f"{machine_line(report)} Severity 5, {report['limit']} test images per corruption, one "
+        f"image per request from {report['clients']} clients.",
+        "",
+        "| run | mean accuracy (%) |",
+        "|---|---|",
+    ]
+    lines += [f"| {k} | {v:.2f} |" for k, v in report["average"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(11, 4))
+    for label, accuracy in report["accuracy"].items():
+        ax.plot(list(accuracy), list(accuracy.values()), "o-", label=label)
+    ax.set_ylabel("accuracy (%)")
+    ax.tick_params(axis="x", rotation=60)
+    ax.legend(fontsize=8)
+    fig.suptitle(f"fleet on the continual stream: {report['model']}")
+    save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--limit", type=int, default=300, help="images per corruption")
+    parser.add_argument("--batch", type=int, default=16, help="the one process's batch")
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--sync-every-s", type=float, default=2.0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--combine", default="sum", help="merge rules to run, comma-separated: "
+                        "sum, mean (serve --fleet-combine)")
+    parser.add_argument("--out", help="folder for fleet_stream.md / .json / .png")
+    args = parser.parse_args(argv)
+    report = run(args.model, args.replicas, args.limit, args.batch, args.clients,
+                 args.sync_every_s, args.threads, tuple(args.combine.split(",")))
+    print(markdown(report))
+    if args.out:
+        write_outputs(Path(args.out), "fleet_stream", report, markdown(report), plot)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
