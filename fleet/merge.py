@@ -15,8 +15,8 @@ previous report, or the fleet state it last applied). A merge of the fleet state
    to first order the fleet moves as one process that saw all of them would (every rate is per
    sample); ``"mean"`` moves G by the sample-weighted average (weights: images adapted on since
    the last accounted point, at least one), so the fleet adapts per image at 1/N of one
-   process's rate. The activation-shift windows become the sample-weighted average of the kept
-   replicas' windows.
+   process's rate. The activation-shift windows are combined as one window over the kept
+   replicas' samples (:func:`_merge_window`).
 
 A replica that applies G keeps its progress since its report (:func:`apply_merged`) and
 accounts from G on, so no progress is lost or counted twice. With no step between a report and
@@ -36,8 +36,10 @@ from eva0_edge.runtime.state import AdaptState
 
 MERGED_ARRAYS = ("theta", "anchor", "velocity", "healthy_theta", "center", "mean", "second_moment")
 MERGED_SCALARS = ("stat_weight", "coef_scale", "coef_weight")
-SHIFT_ARRAYS = ("shift_mean", "shift_recent")
-SHIFT_SCALARS = ("shift_sq", "shift_weight", "shift_recent_sq", "shift_recent_weight")
+SHIFT_WINDOWS = (  # (mean [D], mean squared norm, weight) of each activation-shift window
+    ("shift_mean", "shift_sq", "shift_weight"),
+    ("shift_recent", "shift_recent_sq", "shift_recent_weight"),
+)
 
 Progress = dict[str, np.ndarray | float]
 
@@ -108,6 +110,24 @@ def _bounded(state: AdaptState) -> AdaptState:
 COMBINE = ("sum", "mean")
 
 
+def _merge_window(merged: AdaptState, states: list[AdaptState], scales: np.ndarray,
+                  window: tuple[str, str, str], combine: str) -> None:
+    """One activation-shift window over the replicas that hold one: the mean and mean square
+    weighted by each window's weight; the weight of the union of their samples (sum: 1 -
+    prod(1 - w), what one window that saw them all would weigh) or the scaled average (mean)."""
+    mean_name, sq_name, weight_name = window
+    held = [(i, s) for i, s in enumerate(states)
+            if getattr(s, weight_name) > 0 and getattr(s, mean_name).size]
+    if not held or len({getattr(s, mean_name).size for _, s in held}) != 1:
+        return
+    w = np.array([getattr(s, weight_name) for _, s in held])
+    share = w / w.sum()
+    setattr(merged, mean_name, share @ np.stack([getattr(s, mean_name) for _, s in held]))
+    setattr(merged, sq_name, float(share @ np.array([getattr(s, sq_name) for _, s in held])))
+    union = 1.0 - np.prod(1.0 - w) if combine == "sum" else scales[[i for i, _ in held]] @ w
+    setattr(merged, weight_name, float(min(union, 1.0)))
+
+
 def merge(
     current: AdaptState, reports: list[Report], threshold: float, combine: str = "sum"
 ) -> tuple[AdaptState | None, list[str], list[str]]:
@@ -130,15 +150,8 @@ def merge(
     for name in MERGED_SCALARS:
         step = float(scales @ np.array([r.progress[name] for r in kept]))
         setattr(merged, name, float(getattr(current, name) + step))
-    shifted = [(w, r.state) for w, r in zip(weights, kept, strict=True) if r.state.shift_mean.size]
-    if shifted and len({s.shift_mean.size for _, s in shifted}) == 1:
-        w = np.array([w for w, _ in shifted]) / sum(w for w, _ in shifted)
-        for name in SHIFT_ARRAYS:
-            arrays = [getattr(s, name) for _, s in shifted]
-            if len({a.size for a in arrays}) == 1:
-                setattr(merged, name, w @ np.stack(arrays))
-        for name in SHIFT_SCALARS:
-            setattr(merged, name, float(w @ np.array([getattr(s, name) for _, s in shifted])))
+    for window in SHIFT_WINDOWS:
+        _merge_window(merged, [r.state for r in kept], scales, window, combine)
     merged.step = max(r.state.step for r in kept)
     return _bounded(merged), [r.replica for r in kept], left_out
 
@@ -153,9 +166,9 @@ def apply_merged(merged: AdaptState, reported: AdaptState, current: AdaptState) 
     for name in MERGED_SCALARS:
         delta = getattr(current, name) - getattr(reported, name)
         setattr(out, name, float(getattr(merged, name) + delta))
-    if merged.shift_mean.size:
-        for name in SHIFT_ARRAYS:
-            setattr(out, name, getattr(merged, name).copy())
-        for name in SHIFT_SCALARS:
-            setattr(out, name, float(getattr(merged, name)))
+    for mean_name, sq_name, weight_name in SHIFT_WINDOWS:
+        if getattr(merged, weight_name) > 0 and getattr(merged, mean_name).size:
+            setattr(out, mean_name, getattr(merged, mean_name).copy())
+            setattr(out, sq_name, float(getattr(merged, sq_name)))
+            setattr(out, weight_name, float(getattr(merged, weight_name)))
     return _bounded(out)

@@ -185,3 +185,21 @@ def test_a_report_of_the_wrong_shape_is_refused(bad):
     setattr(state, bad, np.zeros(2, dtype=getattr(state, bad).dtype))
     with pytest.raises(ValueError):
         fleet.report("a", state.to_dict(), progress(source(), source()), 1, True)
+
+
+def test_shift_windows_merge_as_one_window_over_both_replicas():
+    rng = np.random.default_rng(3)
+    g = source()
+    a, b = adapted(g, rng), adapted(g, rng)
+    a.shift_mean, a.shift_sq, a.shift_weight = np.full(F, 1.0), 4.0, 0.5
+    b.shift_mean, b.shift_sq, b.shift_weight = np.full(F, 3.0), 8.0, 0.25
+    reports = [Report("a", a, progress(a, g), 10), Report("b", b, progress(b, g), 10)]
+    merged, _, _ = merge(g, reports, threshold=1.0)
+    np.testing.assert_allclose(merged.shift_mean, np.full(F, (0.5 * 1 + 0.25 * 3) / 0.75))
+    assert merged.shift_sq == pytest.approx((0.5 * 4 + 0.25 * 8) / 0.75)
+    assert merged.shift_weight == pytest.approx(1 - 0.5 * 0.75)  # the union of their samples
+    assert merged.shift_recent.size == 0  # no replica had a recent window: left empty
+    mean, _, _ = merge(g, reports, threshold=1.0, combine="mean")
+    assert mean.shift_weight == pytest.approx(0.5 * 0.5 + 0.5 * 0.25)
+    applied = apply_merged(merged, a, a)
+    np.testing.assert_array_equal(applied.shift_mean, merged.shift_mean)
