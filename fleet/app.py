@@ -6,7 +6,7 @@
 Arguments (strings, as Serve passes them): ``model`` (required), ``method`` (eva0), ``name``
 (the file's stem), ``replicas`` (2), ``sync_every_s`` (2), ``threshold`` (1.0), ``state_dir``
 (none), ``threads`` (ORT's default), ``max_batch`` (64), ``max_delay_ms`` (10),
-``replica_cpus`` (1), ``combine`` (sum). The admin token comes from ``EVA0_ADMIN_TOKEN`` in the
+``replica_cpus`` (1), ``combine`` (mean). The admin token comes from ``EVA0_ADMIN_TOKEN`` in the
 replicas' environment; without one the admin endpoints answer 403 (Serve's proxy is not a
 loopback bind).
 """
@@ -46,7 +46,7 @@ def build(args: dict[str, str]) -> Any:
         options, float(args.get("sync_every_s", 2.0)),
     )
     config = FleetConfig(
-        threshold=float(args.get("threshold", 1.0)), combine=args.get("combine", "sum"),
+        threshold=float(args.get("threshold", 1.0)), combine=args.get("combine", "mean"),
         state_dir=args.get("state_dir"),
     )
     return fleet_application(spec, int(args.get("replicas", 2)), config,

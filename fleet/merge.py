@@ -9,14 +9,16 @@ previous report, or the fleet state it last applied). A merge of the fleet state
    standard deviation, :func:`feature_distance`) form groups; the group with the most samples
    is the fleet's domain; the others (another domain) keep adapting on their own;
 2. leaves out unhealthy reports (the health guard tripped or held, or the replica is frozen);
-3. moves G by the kept progress: theta, anchor, velocity, the guard's healthy checkpoint, the
-   output centre and feature moments, and the weights and scales that go with them. ``"sum"``
-   (the default) adds the replicas' progress: they adapted on distinct images of one stream, so
-   to first order the fleet moves as one process that saw all of them would (every rate is per
-   sample); ``"mean"`` moves G by the sample-weighted average (weights: images adapted on since
-   the last accounted point, at least one), so the fleet adapts per image at 1/N of one
-   process's rate. The activation-shift windows are combined as one window over the kept
-   replicas' samples (:func:`_merge_window`).
+3. moves G by the kept progress. theta and the velocity move by steps: ``"mean"`` (the
+   default) by their sample-weighted average (weights: images adapted on since the last
+   accounted point, at least one), so the fleet adapts per image at 1/N of one process's rate;
+   ``"sum"`` adds them (distinct images of one stream, so to first order the fleet moves per
+   image as one process would; measured worse: the replicas' steps from the same stale point
+   overshoot together, see the README). Snapshots and windowed statistics (the
+   anchor, the guard's healthy checkpoint, the output centre and feature moments and their
+   weights and scales) always move by the sample-weighted average: their sum would overshoot
+   (N replicas that each moved a checkpoint by d would move it by N d). The activation-shift
+   windows are combined as one window over the kept replicas' samples (:func:`_merge_window`).
 
 A replica that applies G keeps its progress since its report (:func:`apply_merged`) and
 accounts from G on, so no progress is lost or counted twice. With no step between a report and
@@ -36,6 +38,7 @@ from eva0_edge.runtime.state import AdaptState
 
 MERGED_ARRAYS = ("theta", "anchor", "velocity", "healthy_theta", "center", "mean", "second_moment")
 MERGED_SCALARS = ("stat_weight", "coef_scale", "coef_weight")
+STEPPED = ("theta", "velocity")  # moved by steps; the rest are snapshots and windowed statistics
 SHIFT_WINDOWS = (  # (mean [D], mean squared norm, weight) of each activation-shift window
     ("shift_mean", "shift_sq", "shift_weight"),
     ("shift_recent", "shift_recent_sq", "shift_recent_weight"),
@@ -129,7 +132,7 @@ def _merge_window(merged: AdaptState, states: list[AdaptState], scales: np.ndarr
 
 
 def merge(
-    current: AdaptState, reports: list[Report], threshold: float, combine: str = "sum"
+    current: AdaptState, reports: list[Report], threshold: float, combine: str = "mean"
 ) -> tuple[AdaptState | None, list[str], list[str]]:
     """The new fleet state (None when no kept report adapted on any image since the last
     merge), the replicas it averaged, and those left out (disagreeing or unhealthy)."""
@@ -145,10 +148,11 @@ def merge(
     scales = np.ones(len(kept)) if combine == "sum" else weights
     merged = current.copy()
     for name in MERGED_ARRAYS:
-        step = scales @ np.stack([r.progress[name] for r in kept])
+        share = scales if name in STEPPED else weights
+        step = share @ np.stack([r.progress[name] for r in kept])
         setattr(merged, name, (getattr(current, name) + step).astype(getattr(current, name).dtype))
     for name in MERGED_SCALARS:
-        step = float(scales @ np.array([r.progress[name] for r in kept]))
+        step = float(weights @ np.array([r.progress[name] for r in kept]))
         setattr(merged, name, float(getattr(current, name) + step))
     for window in SHIFT_WINDOWS:
         _merge_window(merged, [r.state for r in kept], scales, window, combine)

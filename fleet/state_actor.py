@@ -37,7 +37,7 @@ class FleetConfig:
     holds a merge back; state_dir / keep: fleet snapshots (None: memory only)."""
 
     threshold: float = 1.0
-    combine: str = "sum"
+    combine: str = "mean"
     live_s: float = 10.0
     state_dir: str | None = None
     keep: int = 3

@@ -42,7 +42,7 @@ def test_merge_adds_progress_or_takes_its_weighted_average():
     np.testing.assert_allclose(mean.theta, 0.75 * a.theta + 0.25 * b.theta, rtol=1e-6)
     np.testing.assert_allclose(mean.center, 0.75 * a.center + 0.25 * b.center)
     assert mean.theta.dtype == np.float32
-    total, _, _ = merge(g, reports, threshold=1.0)  # "sum": as one process that saw both
+    total, _, _ = merge(g, reports, threshold=1.0, combine="sum")  # as one process saw both
     np.testing.assert_allclose(total.theta, a.theta + b.theta - g.theta, rtol=1e-6)
     with pytest.raises(ValueError, match="combine"):
         merge(g, reports, threshold=1.0, combine="max")
@@ -130,8 +130,9 @@ def test_after_a_quiet_round_every_replica_holds_the_fleet_state():
 
 
 def test_progress_is_counted_once():
-    """a adapts, b idles: a's two reports before the merge add up, so the fleet moves all of a's
-    progress; later quiet rounds leave it there (nothing counted twice)."""
+    """a adapts, b idles: a's two reports before the merge add up (8 images against b's 4), so
+    the fleet moves 8/12 of a's progress; later quiet rounds leave it there (nothing counted
+    twice)."""
     fleet = _fleet()
     a, b = SimReplica(fleet, "a", 0), SimReplica(fleet, "b", 1)
     a.step()
@@ -140,7 +141,7 @@ def test_progress_is_counted_once():
     own = a.state.theta.copy()
     a.sync()
     b.sync()  # the merge
-    expected = own
+    expected = source().theta + (8 / 12) * (own - source().theta)
     np.testing.assert_allclose(fleet.state.theta, expected, atol=1e-6)
     for _ in range(3):
         a.sync()
@@ -194,7 +195,7 @@ def test_shift_windows_merge_as_one_window_over_both_replicas():
     a.shift_mean, a.shift_sq, a.shift_weight = np.full(F, 1.0), 4.0, 0.5
     b.shift_mean, b.shift_sq, b.shift_weight = np.full(F, 3.0), 8.0, 0.25
     reports = [Report("a", a, progress(a, g), 10), Report("b", b, progress(b, g), 10)]
-    merged, _, _ = merge(g, reports, threshold=1.0)
+    merged, _, _ = merge(g, reports, threshold=1.0, combine="sum")
     np.testing.assert_allclose(merged.shift_mean, np.full(F, (0.5 * 1 + 0.25 * 3) / 0.75))
     assert merged.shift_sq == pytest.approx((0.5 * 4 + 0.25 * 8) / 0.75)
     assert merged.shift_weight == pytest.approx(1 - 0.5 * 0.75)  # the union of their samples
