@@ -154,6 +154,19 @@ def test_cma_es_improves_the_fitness_on_a_fixed_batch():
     assert best[-1] < 0.8 * initial
 
 
+def test_foa_reads_its_tuned_values_from_the_model_file(prompt_vit, tmp_path):
+    from eva0_edge.runtime.modelfile import load_onnx, save_onnx, set_metadata
+
+    model = load_onnx(prompt_vit.onnx_path)
+    metadata = read_metadata(model)
+    metadata.tuned = {**metadata.tuned, "foa": {"lambda_fit": 1.6}}
+    tuned = tmp_path / "tuned.onnx"
+    save_onnx(set_metadata(model, metadata), tuned)
+    assert FOAModel.load(tuned, "foa", provider="cpu").config.lambda_fit == 1.6
+    assert FOAModel.load(tuned, "foa", {"lambda_fit": 0.2}, provider="cpu").config.lambda_fit == 0.2
+    assert FOAModel.load(tuned, "foa-dagger", provider="cpu").config.lambda_fit == 0.0
+
+
 def test_foa_shifts_activations_toward_the_source_mean(prompt_vit):
     model = FOAModel.load(prompt_vit.onnx_path, "foa", provider="cpu")
     x = batch(8)
