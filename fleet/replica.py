@@ -58,6 +58,8 @@ class FleetSync:
         self.every_s = every_s
         self.worker: AdaptationWorker | None = None
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # the accounting: sync thread against admin operations
+        self._generation = 0
         self._thread = threading.Thread(target=self._run, name="eva0-fleet-sync", daemon=True)
         self.version = 0
         self.syncs = self.applied = self.failures = 0
@@ -75,9 +77,7 @@ class FleetSync:
         if merged is not None:
             model.load_state_dict(apply_merged(AdaptState.from_dict(merged), own, own).to_dict())
             log.info("replica %s joined at fleet version %d", self.replica, self.version)
-        self._accounted = AdaptState.from_dict(model.state_dict())
-        self._samples = model.session.counter.samples
-        self._trips = model.health().guard_trips
+        self._account(model)
 
     def start(self, worker: AdaptationWorker) -> None:
         """Start reporting (never with ``every_s`` <= 0: the replica adapts alone)."""
@@ -98,37 +98,64 @@ class FleetSync:
                 self.failures += 1
                 log.warning("fleet sync of %s failed (will retry): %s", self.replica, err)
 
+    def state_replaced(self, model: AdaptiveModel) -> None:
+        """An admin replaced the state (reset, PUT state; worker thread): account from it, so
+        the jump is not reported as progress, and drop a sync in flight."""
+        with self._lock:
+            self._generation += 1
+            self._account(model)
+
+    def _account(self, model: AdaptiveModel) -> None:
+        self._accounted = AdaptState.from_dict(model.state_dict())
+        self._samples = model.session.counter.samples
+        self._trips = model.health().guard_trips
+
     def sync_once(self) -> None:
         """Report the state (read on the worker thread) and apply the answer, if any."""
         import ray
 
         assert self.worker is not None
-        state, samples, health = self.worker.call(
-            lambda m: (AdaptState.from_dict(m.state_dict()), m.session.counter.samples,
-                       m.health())
-        ).result()
-        healthy = health.adapting and health.guard_trips == self._trips
+
+        def read(m: AdaptiveModel) -> tuple:
+            with self._lock:
+                state = AdaptState.from_dict(m.state_dict())
+                health = m.health()
+                return (self._generation, state, progress(state, self._accounted),
+                        m.session.counter.samples - self._samples, m.session.counter.samples,
+                        health.adapting and health.guard_trips == self._trips,
+                        health.guard_trips)
+
+        generation, state, moved, new_samples, samples, healthy, trips = (
+            self.worker.call(read).result()
+        )
         version, merged, self.fleet = ray.get(self.actor.report.remote(
-            self.replica, state.to_dict(), progress(state, self._accounted),
-            samples - self._samples, healthy,
+            self.replica, state.to_dict(), moved, new_samples, healthy,
         ))
-        self._accounted, self._samples, self._trips = state, samples, health.guard_trips
         self.syncs += 1
         self.last_sync = time.monotonic()
+        with self._lock:
+            if generation != self._generation:
+                return  # an admin replaced the state meanwhile: account from it
+            self._accounted, self._samples, self._trips = state, samples, trips
         if merged is None:
             return
         fleet_state = AdaptState.from_dict(merged)
 
-        def install(m: AdaptiveModel) -> None:
-            m.load_state_dict(
-                apply_merged(fleet_state, state, AdaptState.from_dict(m.state_dict())).to_dict()
-            )
+        def install(m: AdaptiveModel) -> bool:
+            with self._lock:
+                if generation != self._generation:
+                    return False
+                m.load_state_dict(
+                    apply_merged(fleet_state, state, AdaptState.from_dict(m.state_dict()))
+                    .to_dict()
+                )
+                self._accounted = fleet_state
+                return True
 
-        self.worker.call(install).result()
-        self._accounted = fleet_state
-        self.theta_digest = hashlib.sha256(fleet_state.theta.tobytes()).hexdigest()[:16]
-        self.version = version
-        self.applied += 1
+        if self.worker.call(install).result():
+            self.theta_digest = hashlib.sha256(fleet_state.theta.tobytes()).hexdigest()[:16]
+            self.version = version
+            self.applied += 1
 
     def statistics(self) -> dict[str, Any]:
         return {

@@ -20,6 +20,10 @@ class ServerExtension(Protocol):
     def stop(self) -> None:
         """Called before the worker stops."""
 
+    def state_replaced(self, model: Any) -> None:
+        """Called on the worker thread after an admin replaced the model's state (reset, PUT
+        state)."""
+
     def statistics(self) -> dict[str, Any]:
         """JSON-serialisable counters."""
 

@@ -38,6 +38,8 @@ def adaptation_router(ctx: ServerContext) -> APIRouter:
 
         def do_reset(m: RuntimeModel) -> dict:
             m.reset()
+            if ctx.extension is not None:
+                ctx.extension.state_replaced(m)
             return answer(m)
 
         return await ctx.on_worker(do_reset)
@@ -89,6 +91,8 @@ def adaptation_router(ctx: ServerContext) -> APIRouter:
 
         def install(m: AdaptiveModel) -> dict:
             m.install_state(state)
+            if ctx.extension is not None:
+                ctx.extension.state_replaced(m)
             return answer(m)
 
         return JSONResponse(await ctx.on_worker(install))
