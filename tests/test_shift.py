@@ -74,7 +74,11 @@ def test_shifted_logits_are_the_head_on_shifted_features(shipped) -> None:
     served = model.predict(x)
     _, features = model.session.run(x, np.broadcast_to(model.state.theta,
                                                        (6, model.state.theta.size)))
-    moved = _numpy_head_input(shipped, features) + 0.7 * (model.shift.source_mean - test_mean)
+    factor = js_factor(model.state, model.shift.source_mean, model.config.shift_window)
+    assert 0.5 < factor < 1  # a gap of 0.3 per feature against a small noise: mostly kept
+    moved = _numpy_head_input(shipped, features) + 0.7 * factor * (
+        model.shift.source_mean - test_mean
+    )
     weight, bias, _ = HEAD_NAMES[shipped.stem]
     inits = _initializers(shipped)
     np.testing.assert_allclose(served, moved @ inits[weight].T + inits[bias], atol=1e-4)
@@ -90,8 +94,23 @@ def test_zero_shift_leaves_logits_unchanged(shipped) -> None:
     np.testing.assert_allclose(shifted.predict(x), plain.predict(x), atol=1e-6)
 
 
+def js_factor(state: AdaptState, source: np.ndarray, window: float) -> float:
+    """The James-Stein factor by hand: 1 - (variance / effective count) / ||gap||^2, >= 0."""
+    a = 1 - 2 / (window + 1)
+    w = state.shift_weight
+    samples = np.log(1 - w) / np.log(a)  # the window's sample count n: w = 1 - a^n
+    weights = (1 - a) * a ** np.arange(int(round(samples))) / w
+    variance = state.shift_sq - state.shift_mean @ state.shift_mean
+    gap = source - state.shift_mean
+    return max(0.0, 1 - variance * float((weights**2).sum()) / float(gap @ gap))
+
+
 def _empty_state() -> AdaptState:
     return AdaptState.initial(np.zeros(1, dtype=np.float32), 3, 9, 0)
+
+
+def _wide_state(width: int) -> AdaptState:
+    return AdaptState.initial(np.zeros(1, dtype=np.float32), 3, width, 0)
 
 
 def test_shift_is_source_mean_minus_windowed_test_mean() -> None:
@@ -112,8 +131,9 @@ def test_shift_is_source_mean_minus_windowed_test_mean() -> None:
     for row in features[:, 2:7]:
         raw = a * raw + (1 - a) * row
     np.testing.assert_allclose(one_batch.shift_mean, raw / (1 - a ** len(features)), rtol=1e-12)
+    factor = js_factor(one_batch, source, window)
     np.testing.assert_allclose(shift.offset(one_batch),
-                               head.weight @ (source - one_batch.shift_mean))
+                               head.weight @ (factor * (source - one_batch.shift_mean)))
     assert shift.changes == 0
     shift.restart(one_batch)
     np.testing.assert_array_equal(shift.offset(one_batch), np.zeros(classes))
@@ -217,8 +237,31 @@ def test_a_stream_beyond_the_bound_restarts_the_window_unshifted() -> None:
         served = shift.offset(state)
         assert served.any() == (state.shift_weight >= shift.checked_weight)
     assert served.any()
-    np.testing.assert_allclose(served, head.weight @ (source - state.shift_mean))
+    factor = js_factor(state, source, 256.0)
+    assert factor > 0.9  # a gap of 0.3 per feature, noise 0.1 per sample: shifted in full
+    np.testing.assert_allclose(served, head.weight @ (factor * (source - state.shift_mean)))
     assert np.linalg.norm(state.shift_mean - 0.3) < 0.1
+
+
+def test_a_stream_from_the_source_distribution_is_barely_shifted() -> None:
+    """Clean images: the window's gap to the source mean is its own sampling noise, and the
+    James-Stein factor shrinks the shift toward zero; a corruption's gap is kept."""
+    rng = np.random.default_rng(5)
+    width = 64
+    head = LinearHead(rng.normal(size=(3, width)), np.zeros(3), slice(0, width))
+    source = np.zeros(width)
+    shift = ActivationShift(head, source, strength=2.0, window=256.0)
+    clean, corrupted = _wide_state(width), _wide_state(width)
+    factors = []
+    for _ in range(600):
+        shift.observe(clean, rng.normal(0.0, 1.0, (1, width)))
+        shift.observe(corrupted, rng.normal(0.5, 1.0, (1, width)))
+        if clean.shift_weight >= shift.checked_weight:
+            factors.append(js_factor(clean, source, 256.0))
+    served_clean = np.linalg.norm(shift.offset(clean))
+    unshrunk_clean = np.linalg.norm(head.weight @ (2.0 * (source - clean.shift_mean)))
+    assert served_clean <= 0.5 * unshrunk_clean and np.mean(factors) < 0.5
+    assert js_factor(corrupted, source, 256.0) > 0.9
 
 
 def test_one_image_repeated_is_not_shifted() -> None:
