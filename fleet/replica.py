@@ -19,7 +19,7 @@ import os
 import threading
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from eva0_edge.runtime.engine import AdaptiveModel
@@ -37,13 +37,13 @@ log = logging.getLogger("eva0_edge.fleet")
 class ReplicaSpec:
     """What every replica loads and how it syncs. ``load``: keyword arguments of
     :func:`~eva0_edge.runtime.methods.load_method` (path, name, config, provider, threads, ...);
-    ``sync_every_s``: seconds between reports to the fleet state."""
+    ``sync_every_s``: seconds between reports to the fleet state (0: none); ``seed``: the
+    perturbation seed, offset per replica so replicas explore different directions."""
 
     load: dict[str, Any]
     options: ServeOptions
     sync_every_s: float = 2.0
     seed: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class FleetSync:
@@ -187,7 +187,7 @@ class FleetSync:
 
 
 class EdgeReplica:
-    """The Ray Serve deployment class (wrapped by :func:`.serve.replica_deployment`): loads the
+    """The Ray Serve deployment class (wrapped by :func:`.serve.fleet_application`): loads the
     model, joins the fleet, and serves ``create_app`` through the ingress."""
 
     def __init__(self, spec: ReplicaSpec, actor: Any) -> None:
