@@ -29,6 +29,7 @@ from .merge import Progress, Report, add_progress, merge
 
 log = logging.getLogger("eva0_edge.fleet")
 
+
 @dataclass
 class FleetConfig:
     """threshold: feature distance beyond which a replica is another domain (see
