@@ -18,6 +18,7 @@ from typing import Any
 
 import ray
 
+from eva0_edge.fleet.serve import init_ray
 from eva0_edge.runtime.modelfile import read_metadata
 
 from .evaluate import (
@@ -69,11 +70,7 @@ def evaluate_on_ray(
         check_method(name)
     split_overrides(spec.overrides)
     sizes = batch_sizes(spec)
-    if not ray.is_initialized():
-        if address:
-            ray.init(address=address, logging_level="WARNING")
-        else:
-            ray.init(include_dashboard=False, logging_level="WARNING")
+    init_ray(address)
     names = [d.name for d in load_domains(spec)] if spec.protocol == "single" else [None]
     task = ray.remote(run_cell).options(num_cpus=cpus_per_cell)
     cells: dict[str, list[Any]] = {}

@@ -89,15 +89,13 @@ class FleetState:
 
     def _resume(self, sizes: dict[str, int]) -> None:
         assert self.snapshots is not None
-        for path in self.snapshots.newest_first():
-            try:
-                state, info = decode_state(path.read_bytes(), self.fingerprint, sizes)
-            except (StateError, OSError) as err:
-                log.warning("fleet snapshot refused, trying an older one: %s", err)
-                continue
-            self.state, self.version = state, int(info.get("fleet_version", 0))
+        loaded = self.snapshots.load_newest(
+            lambda path: decode_state(path.read_bytes(), self.fingerprint, sizes)
+        )
+        if loaded is not None:
+            path, (self.state, info) = loaded
+            self.version = int(info.get("fleet_version", 0))
             log.info("fleet resumed from %s (version %d)", path, self.version)
-            return
 
     def join(self, replica: str) -> tuple[int, dict[str, Any] | None]:
         """Register ``replica``; the fleet version and state to start from (None at version 0:
@@ -199,7 +197,3 @@ class FleetState:
             "last_merged": c.last_merged,
             "last_left_out": c.last_left_out,
         }
-
-    def merged_state(self) -> tuple[int, dict[str, Any]]:
-        """The current fleet version and state."""
-        return self.version, self.state.to_dict()

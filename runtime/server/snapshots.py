@@ -11,13 +11,16 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from ..engine import AdaptiveModel
 from ..state import StateError, write_state_file
 
 log = logging.getLogger("eva0_edge.serve")
 
+T = TypeVar("T")
 _NAME = re.compile(r"^snapshot-(\d+)\.npz$")
 
 
@@ -54,17 +57,17 @@ class SnapshotStore:
             old.unlink(missing_ok=True)
         return path
 
-    def newest_first(self) -> list[Path]:
-        """The snapshot files, newest first."""
-        return [path for _, path in reversed(self._existing())]
+    def load_newest(self, read: Callable[[Path], T]) -> tuple[Path, T] | None:
+        """``read`` the newest snapshot it accepts (StateError or OSError: refused with a logged
+        reason, the next older one is tried); (path, what ``read`` returned), or None."""
+        for _, path in reversed(self._existing()):
+            try:
+                return path, read(path)
+            except (StateError, OSError) as err:
+                log.warning("snapshot refused, trying an older one: %s", err)
+        return None
 
     def restore_latest(self, model: AdaptiveModel) -> Path | None:
         """Load the newest snapshot that verifies into ``model``; None when there is none."""
-        for path in self.newest_first():
-            try:
-                model.load_state(path)
-            except (StateError, OSError) as err:
-                log.warning("snapshot refused, trying an older one: %s", err)
-                continue
-            return path
-        return None
+        loaded = self.load_newest(model.load_state)
+        return loaded[0] if loaded else None
