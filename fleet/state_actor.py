@@ -23,7 +23,13 @@ from typing import Any
 import numpy as np
 
 from eva0_edge.runtime.server.snapshots import SnapshotStore
-from eva0_edge.runtime.state import AdaptState, StateError, decode_state, encode_state
+from eva0_edge.runtime.state import (
+    AdaptState,
+    StateError,
+    check_state_sizes,
+    decode_state,
+    encode_state,
+)
 
 from .merge import Progress, Report, add_progress, merge
 
@@ -136,10 +142,7 @@ class FleetState:
         """The report's state, after checking it and its progress against the model's sizes
         (StateError names the first problem; nothing changes)."""
         parsed = AdaptState.from_dict(state)
-        for name, size in self.sizes.items():
-            value = getattr(parsed, name)
-            if value.size != size and not (name.startswith("shift") and value.size <= size):
-                raise StateError(f"report: {name} has {value.size} values, the model {size}")
+        check_state_sizes(parsed, self.sizes)
         for name, value in progress.items():
             expected = getattr(parsed, name)
             if np.shape(value) != np.shape(expected) or not np.all(np.isfinite(value)):

@@ -230,11 +230,11 @@ def _serve_fleet(args: argparse.Namespace, model: RuntimeModel, options: ServeOp
     )
     spec = ReplicaSpec(load, dataclasses.replace(options, state_dir=None), args.sync_every_s,
                        args.seed)
+    if args.sync_every_s < 0:
+        raise ValueError(f"--sync-every-s must be >= 0, got {args.sync_every_s}")
     config = FleetConfig(threshold=args.fleet_threshold, combine=args.fleet_combine,
                          state_dir=args.state_dir,
                          keep=args.keep_snapshots, live_s=max(10.0, 5 * args.sync_every_s))
-    if args.sync_every_s < 0:
-        raise ValueError(f"--sync-every-s must be >= 0, got {args.sync_every_s}")
     start_fleet(spec, args.replicas, config, args.host, args.port, args.ray_address, probe=model)
 
 

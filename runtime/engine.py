@@ -46,6 +46,7 @@ from .shift import ActivationShift, load_shift
 from .state import (
     AdaptState,
     StateError,
+    check_state_sizes,
     decode_state,
     encode_state,
     read_state_file,
@@ -223,19 +224,12 @@ class AdaptiveModel:
         }
 
     def _check_shapes(self, state: AdaptState) -> None:
-        sizes = self.state_sizes()
+        check_state_sizes(state, self.state_sizes())
         for name in ("shift_mean", "shift_recent"):
             size = getattr(state, name).size
-            if size > sizes.pop(name) or (
-                self.shift is not None and size not in (0, self.shift.head.width)
-            ):
+            if self.shift is not None and size not in (0, self.shift.head.width):
                 raise StateError(f"state {name} has {size} values; this model's head input "
-                                 "has " + (f"{self.shift.head.width}" if self.shift else "fewer"))
-        for name, size in sizes.items():
-            if getattr(state, name).shape != (size,):
-                raise StateError(
-                    f"state {name} has shape {getattr(state, name).shape}, model needs ({size},)"
-                )
+                                 f"has {self.shift.head.width}")
 
     def _install(self, state: AdaptState) -> None:
         self.state = state

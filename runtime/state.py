@@ -211,6 +211,19 @@ def encode_state(state: AdaptState, fingerprint: str, info: dict[str, Any]) -> b
     return buf.getvalue()
 
 
+def check_state_sizes(state: AdaptState, sizes: dict[str, int]) -> None:
+    """Every array of ``state`` against a model's sizes (elements per array): the
+    activation-shift windows hold at most their size (empty until used), the rest exactly;
+    StateError names the first that does not fit."""
+    for name, size in sizes.items():
+        value = getattr(state, name)
+        if name in _OPTIONAL_ARRAYS:
+            if value.size > size:
+                raise StateError(f"state {name} has {value.size} values, the model at most {size}")
+        elif value.shape != (size,):
+            raise StateError(f"state {name} has shape {value.shape}, model needs ({size},)")
+
+
 def check_member_sizes(data: bytes, sizes: dict[str, int]) -> None:
     """Refuse an archive whose members would decompress beyond what ``sizes`` (elements per
     array) allows, from the zip headers alone (nothing is decompressed); also unknown members."""
