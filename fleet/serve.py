@@ -4,10 +4,12 @@ application of N replicas (:mod:`.replica`) whose adaptation is merged by one fl
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import time
+import urllib.request
 from typing import Any
 
 from eva0_edge.runtime.engine import AdaptiveModel
@@ -109,6 +111,8 @@ def start_fleet(
     serve.start(http_options={"host": host, "port": port})
     log.info("fleet of %d replicas of %s on %s:%d", replicas, spec.options.name, host, port)
     handle = serve.run(application, name=APP_NAME, route_prefix="/")
+    answering = wait_routable(host, port, spec.options.name, replicas)
+    log.info("%d of %d replicas answer through the ingress", answering, replicas)
     if not blocking:
         return handle
     signal.signal(signal.SIGTERM, _interrupt)
@@ -120,6 +124,30 @@ def start_fleet(
     finally:
         shutdown()
     return None
+
+
+def wait_routable(host: str, port: int, model_name: str, replicas: int,
+                  timeout_s: float = 120.0) -> int:
+    """How many distinct replicas answered ``model_name``'s statistics through the ingress at
+    ``host:port`` before all ``replicas`` did or ``timeout_s`` seconds passed. Serve reports an
+    application running before its HAProxy ingress has loaded every replica as a target."""
+    url = f"http://{_reachable(host)}:{port}/v2/models/{model_name}/adaptation/statistics"
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(seen) < replicas and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as answer:
+                seen.add(json.loads(answer.read())["fleet"]["replica"])
+        except (OSError, ValueError, KeyError):
+            time.sleep(0.2)
+        else:
+            time.sleep(0.05)
+    return len(seen)
+
+
+def _reachable(host: str) -> str:
+    """A local address for a server bound to ``host`` (a wildcard bind is reached on loopback)."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
 def _interrupt(*_: Any) -> None:

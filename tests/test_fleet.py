@@ -42,6 +42,10 @@ def fleet(tmp_path_factory):
         "--state-dir", str(tmp / "state"), "--admin-token", TOKEN, ready_timeout=300.0,
     )
     server.state_dir = tmp / "state"
+    deadline = time.monotonic() + 150
+    while "2 of 2 replicas answer" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "2 of 2 replicas answer" in server.log(), server.log()[-3000:]
     yield server
     assert server.stop(graceful_marker="stopping the fleet"), server.log()[-3000:]
 
