@@ -80,7 +80,7 @@ def per_domain(names: list[str], correct: np.ndarray) -> dict[str, float]:
 
 
 def run(model: str, replicas: int, limit: int, batch: int, clients: int, sync_every_s: float,
-        threads: int, combines: tuple[str, ...] = ("sum",), seed: int = 0) -> dict[str, Any]:
+        threads: int, combines: tuple[str, ...] = ("mean",), seed: int = 0) -> dict[str, Any]:
     spec = EvalSpec(model=model, dataset="fmnist-c", protocol="continual", severity=5,
                     batch_size=batch, methods=["noadapt", "eva0"], limit=limit, seed=seed,
                     threads=threads)
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--sync-every-s", type=float, default=2.0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--combine", default="sum", help="merge rules to run, comma-separated: "
+    parser.add_argument("--combine", default="mean", help="merge rules to run, comma-separated: "
                         "sum, mean (serve --fleet-combine)")
     parser.add_argument("--out", help="folder for fleet_stream.md / .json / .png")
     args = parser.parse_args(argv)

@@ -4,6 +4,7 @@ application of N replicas (:mod:`.replica`) whose adaptation is merged by one fl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -83,7 +84,9 @@ def fleet_application(
 
     if replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
+    probe = probe if probe is not None else load_method(**spec.load)
     actor = fleet_actor(spec, config, probe)
+    spec = dataclasses.replace(spec, load=shared_stream_load(spec.load, probe, replicas))
     deployment = serve.deployment(
         serve.ingress()(EdgeReplica), name="replica", num_replicas=replicas,
         max_ongoing_requests=max(2 * spec.options.max_batch, 16),
@@ -91,6 +94,21 @@ def fleet_application(
         graceful_shutdown_timeout_s=10.0,
     )
     return deployment.bind(spec, actor)
+
+
+def shared_stream_load(load: dict[str, Any], probe: AdaptiveModel,
+                       replicas: int) -> dict[str, Any]:
+    """``load`` with the activation-shift window divided among the replicas. The ingress
+    spreads one stream over them, so a replica sees every N-th image: a window of W/N of its
+    own samples spans the stream time of one process's W, and reacts as fast to a change of
+    domain (``bench.fleet_sim``, ResNet-GN, continual stream at 400 images per corruption, 4
+    replicas, two seeds: +0.6 points against the undivided window, merged or not). A window
+    set in ``load``'s config is taken as the replica's own and kept."""
+    config = dict(load.get("config") or {})
+    if "shift_window" in config or not probe.config.activation_shift:
+        return load
+    config["shift_window"] = max(1.0, probe.config.shift_window / replicas)
+    return {**load, "config": config}
 
 
 def start_fleet(

@@ -188,19 +188,47 @@ def test_a_report_of_the_wrong_shape_is_refused(bad):
         fleet.report("a", state.to_dict(), progress(source(), source()), 1, True)
 
 
-def test_shift_windows_merge_as_one_window_over_both_replicas():
+def test_a_replica_keeps_its_own_shift_windows_across_a_merge():
     rng = np.random.default_rng(3)
     g = source()
     a, b = adapted(g, rng), adapted(g, rng)
     a.shift_mean, a.shift_sq, a.shift_weight = np.full(F, 1.0), 4.0, 0.5
-    b.shift_mean, b.shift_sq, b.shift_weight = np.full(F, 3.0), 8.0, 0.25
+    b.shift_mean, b.shift_sq, b.shift_weight = np.zeros(F), 0.0, 0.0  # b just restarted
     reports = [Report("a", a, progress(a, g), 10), Report("b", b, progress(b, g), 10)]
-    merged, _, _ = merge(g, reports, threshold=1.0, combine="sum")
-    np.testing.assert_allclose(merged.shift_mean, np.full(F, (0.5 * 1 + 0.25 * 3) / 0.75))
-    assert merged.shift_sq == pytest.approx((0.5 * 4 + 0.25 * 8) / 0.75)
-    assert merged.shift_weight == pytest.approx(1 - 0.5 * 0.75)  # the union of their samples
-    assert merged.shift_recent.size == 0  # no replica had a recent window: left empty
-    mean, _, _ = merge(g, reports, threshold=1.0, combine="mean")
-    assert mean.shift_weight == pytest.approx(0.5 * 0.5 + 0.5 * 0.25)
+    merged, kept, _ = merge(g, reports, threshold=1.0)
+    assert kept == ["a", "b"]
+    assert apply_merged(merged, b, b).shift_weight == 0.0  # not a's window of the old domain
     applied = apply_merged(merged, a, a)
-    np.testing.assert_array_equal(applied.shift_mean, merged.shift_mean)
+    np.testing.assert_array_equal(applied.shift_mean, a.shift_mean)
+    assert applied.shift_weight == 0.5
+    np.testing.assert_array_equal(applied.theta, merged.theta)
+
+
+def test_the_shift_window_is_divided_among_replicas_that_share_a_stream():
+    from eva0_edge.fleet.serve import shared_stream_load
+    from eva0_edge.runtime.engine import AdaptiveModel
+
+    from .serving import MODEL
+
+    probe = AdaptiveModel.load(MODEL, "eva0", threads=1)
+    load = {"path": str(MODEL), "name": "eva0", "config": {}}
+    window = probe.config.shift_window
+    assert probe.config.activation_shift > 0
+    assert shared_stream_load(load, probe, 4)["config"]["shift_window"] == window / 4
+    assert shared_stream_load(load, probe, 1000)["config"]["shift_window"] == 1.0
+    own = {**load, "config": {"shift_window": 100.0}}
+    assert shared_stream_load(own, probe, 4) == own  # the user's value is the replica's own
+    unshifted = AdaptiveModel.load(MODEL, "eva0", {"activation_shift": 0.0}, threads=1)
+    assert shared_stream_load(load, unshifted, 4) == load
+
+
+def test_a_fleet_of_one_merging_with_itself_is_one_process():
+    from eva0_edge.bench.fleet_sim import fleet, one_process
+
+    from .serving import MODEL
+
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1.5, 3.0, (40, 3, 32, 32)).astype(np.float32)
+    alone = one_process(str(MODEL), "eva0", {}, x, 4, seed=0)
+    np.testing.assert_array_equal(fleet(str(MODEL), "eva0", {}, x, 1, 4, 0, "mean", 0), alone)
+    np.testing.assert_array_equal(fleet(str(MODEL), "eva0", {}, x, 1, 4, 8, "mean", 0), alone)
