@@ -131,7 +131,9 @@ def merge(
     for name in MERGED_ARRAYS:
         share = scales if name in STEPPED else weights
         step = share @ np.stack([r.progress[name] for r in kept])
-        setattr(merged, name, (getattr(current, name) + step).astype(getattr(current, name).dtype))
+        with np.errstate(over="ignore"):  # a sum past float32's range: the actor refuses it
+            value = (getattr(current, name) + step).astype(getattr(current, name).dtype)
+        setattr(merged, name, value)
     for name in MERGED_SCALARS:
         step = float(weights @ np.array([r.progress[name] for r in kept]))
         setattr(merged, name, float(getattr(current, name) + step))

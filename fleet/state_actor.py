@@ -68,6 +68,7 @@ class FleetCounters:
     left_out_unhealthy: int = 0
     snapshots_written: int = 0
     snapshot_failures: int = 0
+    merges_refused: int = 0
     last_merge_time: float = 0.0
     last_merged: list[str] = field(default_factory=list)
     last_left_out: list[str] = field(default_factory=list)
@@ -165,6 +166,12 @@ class FleetState:
         self.counters.last_left_out = left_out
         if merged is None:
             return
+        try:  # finite reports can still sum past float32's range (--fleet-combine sum)
+            AdaptState.from_dict(merged.to_dict())
+        except StateError as err:
+            self.counters.merges_refused += 1
+            log.error("merge refused, the fleet state stays at version %d: %s", self.version, err)
+            return
         self.version += 1
         self.state = merged
         self.counters.merges += 1
@@ -196,6 +203,7 @@ class FleetState:
             "left_out_unhealthy": c.left_out_unhealthy,
             "snapshots_written": c.snapshots_written,
             "snapshot_failures": c.snapshot_failures,
+            "merges_refused": c.merges_refused,
             "last_merge_age_s": time.time() - c.last_merge_time if c.merges else None,
             "last_merged": c.last_merged,
             "last_left_out": c.last_left_out,

@@ -163,6 +163,21 @@ def test_an_unhealthy_replica_stays_out_but_takes_the_fleet_state():
     assert fleet.statistics()["left_out_unhealthy"] == 1
 
 
+def test_a_merge_that_overflows_is_refused_and_the_fleet_state_kept():
+    config = FleetConfig(threshold=1.0, combine="sum")
+    fleet = FleetState(source().to_dict(), "fp", SIZES, "eva0", config)
+    g = source()
+    big = g.copy()
+    big.theta = np.full(P, 3e38, dtype=np.float32)  # finite, but two of them are not
+    step = progress(big, g)
+    for name in ("a", "b"):
+        fleet.join(name)
+    fleet.report("a", big.to_dict(), step, 1, True)
+    version, merged, stats = fleet.report("b", big.to_dict(), step, 1, True)
+    assert version == 0 and merged is None and stats["merges_refused"] == 1
+    np.testing.assert_array_equal(fleet.state.theta, g.theta)
+
+
 def test_fleet_snapshots_verify_and_a_restarted_actor_resumes(tmp_path):
     fleet = _fleet(tmp_path)
     a, b = SimReplica(fleet, "a", 0), SimReplica(fleet, "b", 1)
