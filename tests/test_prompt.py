@@ -203,6 +203,16 @@ def test_foa_reset_restores_the_initial_prompt(prompt_vit):
     np.testing.assert_allclose(model.step(x), first, atol=1e-6)  # same seed, same draws
 
 
+def test_foa_warns_once_on_batches_too_small_for_its_statistics(prompt_vit, caplog):
+    model = FOAModel.load(prompt_vit.onnx_path, "foa@2", provider="cpu")
+    with caplog.at_level("WARNING", logger="eva0_edge.runtime.foa"):
+        model.step(batch(8))
+        assert not caplog.records
+        model.step(batch(1))
+        model.step(batch(1))
+    assert len(caplog.records) == 1 and "fewer than 4 images" in caplog.text
+
+
 def test_quantize_refuses_a_prompt_model(prompt_vit, tmp_path):
     from eva0_edge.quant import quantize_model
 
