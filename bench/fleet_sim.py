@@ -89,24 +89,24 @@ def run(model: str, method: str, config: dict[str, Any], limit: int, replicas: i
     load = {"config": config}
     replica_config = shared_stream_load(load, probe, replicas)["config"] if divided else config
     rows: dict[str, dict[str, float]] = {}
+    means: dict[str, float] = {}
+    by_run: dict[str, list[float]] = {}
 
-    def record(label: str, predicted: np.ndarray) -> None:
+    def record(run: str, seed: int, predicted: np.ndarray) -> None:
+        label = f"{run}, seed {seed}"
         rows[label] = per_domain(names, predicted == y)
-        print(f"{label}: {np.mean(list(rows[label].values())):.2f}", flush=True)
+        means[label] = float(np.mean(list(rows[label].values())))
+        by_run.setdefault(run, []).append(means[label])
+        print(f"{label}: {means[label]:.2f}", flush=True)
 
     for seed in seeds:
         for b in one_batches:
-            record(f"one process B={b}, seed {seed}",
-                   one_process(model, method, config, x, b, seed))
+            record(f"one process B={b}", seed, one_process(model, method, config, x, b, seed))
         for every in everies:
             what = f"merged every {every} images" if every else "no merging"
-            record(f"fleet x{replicas} B={batch}, {what}, seed {seed}",
+            record(f"fleet x{replicas} B={batch}, {what}", seed,
                    fleet(model, method, replica_config, x, replicas, batch, every, combine, seed))
-    means = {k: float(np.mean(list(v.values()))) for k, v in rows.items()}
-    average: dict[str, float] = {}
-    for label in dict.fromkeys(k.rsplit(", seed ", 1)[0] for k in means):
-        average[label] = float(np.mean([v for k, v in means.items()
-                                        if k.rsplit(", seed ", 1)[0] == label]))
+    average = {run: float(np.mean(values)) for run, values in by_run.items()}
     return {
         "model": Path(model).name, "method": method, "config": config,
         "replica_config": replica_config, "limit": limit, "replicas": replicas,

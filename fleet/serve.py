@@ -57,16 +57,12 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
                  runtime_env=runtime_env)
 
 
-def fleet_actor(spec: ReplicaSpec, config: FleetConfig, probe: Any = None) -> Any:
+def fleet_actor(spec: ReplicaSpec, config: FleetConfig, probe: AdaptiveModel) -> Any:
     """The named fleet-state actor of ``spec``'s model (created, or the running one); Ray
     restarts it if its process dies, and it resumes from ``config.state_dir``. ``probe``: the
-    model already loaded from ``spec`` (its initial state, fingerprint and sizes), else loaded
-    here."""
+    model loaded from ``spec`` (its initial state, fingerprint and sizes)."""
     import ray
 
-    probe = probe if probe is not None else load_method(**spec.load)
-    if not isinstance(probe, AdaptiveModel):
-        raise ValueError(f"the fleet merges EVA-0-family states; {spec.load['name']} keeps none")
     actor_cls = ray.remote(FleetState)
     return actor_cls.options(
         name=f"fleet-{spec.options.name}", get_if_exists=True, num_cpus=0,
@@ -79,12 +75,15 @@ def fleet_application(
     probe: Any = None,
 ) -> Any:
     """The Ray Serve application: the fleet-state actor (created or found) and ``replicas``
-    replicas of ``spec`` bound to it (needs a running Ray)."""
+    replicas of ``spec`` bound to it (needs a running Ray). ``probe``: the model already
+    loaded from ``spec``, else loaded here."""
     from ray import serve
 
     if replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
     probe = probe if probe is not None else load_method(**spec.load)
+    if not isinstance(probe, AdaptiveModel):
+        raise ValueError(f"the fleet merges EVA-0-family states; {spec.load['name']} keeps none")
     actor = fleet_actor(spec, config, probe)
     spec = dataclasses.replace(spec, load=shared_stream_load(spec.load, probe, replicas))
     deployment = serve.deployment(
