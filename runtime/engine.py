@@ -59,9 +59,6 @@ log = logging.getLogger(__name__)
 METHODS: dict[str, MethodSpec] = {n: s for n, s in REGISTRY.items() if s.kind == "engine"}
 PROMPT_ONLY = tuple(name for name, spec in METHODS.items() if spec.prompt_model)
 
-REGENERATE_CHUNK_ROWS = 8
-
-
 def model_fingerprint(metadata: ModelMetadata) -> str:
     """Identifies the adapted parameter space: architecture, layouts and theta0."""
     h = hashlib.sha256()
