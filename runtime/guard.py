@@ -162,6 +162,7 @@ class HealthGuard:
         self.last_reason: str | None = None
         self.verdicts = dict.fromkeys(VERDICTS, 0)
         self.holding = False  # the last pause verdict was "hold": a stream theta0 fails on
+        self.hold_candidate = False  # that hold keeps the duelled candidate (else: theta0)
         self.auditing = False
         self.audits = 0
         self.last_duel: tuple[float | None, float | None] = (None, None)
@@ -174,10 +175,10 @@ class HealthGuard:
         self.features = FeatureWindow(factor)
         self.source_features = FeatureWindow(factor)
 
-    def start_audit(self, every: int | None) -> bool:
+    def start_audit(self, every: int | None, now: bool = False) -> bool:
         """True (and the audit begun) when ``every`` adapted samples have passed since the
-        last audit."""
-        if every is None or self.since_audit < every:
+        last audit, or at once with ``now`` (audits on: ``every`` not None)."""
+        if every is None or (self.since_audit < every and not now):
             return False
         self.since_audit = 0
         self.audits += 1
@@ -200,10 +201,13 @@ class HealthGuard:
 
     def pause_verdict(self, dueled: bool, needed: int) -> str:
         """Where adaptation resumes after a pause: ``checkpoint`` (keep the candidate),
-        ``theta0``, or ``hold`` (theta0 without adapting for another pause). A side needs
+        ``theta0``, or ``hold`` (serve theta0 without adapting for another pause). A side needs
         ``needed`` samples in its window and every signal in bounds; the candidate must also
         have its features at most ``margin`` times as far from the source statistics as
-        theta0's. The windows restart for what follows."""
+        theta0's. On a hold after a duel, ``hold_candidate`` says whether the candidate is kept
+        for the next duel: theta0 failing too puts the blame on the stream, not on what the
+        candidate learnt, so it is kept unless it is the farther from the source of the two.
+        The windows restart for what follows."""
         def healthy(windows: SignalWindows, features: FeatureWindow) -> bool:
             if windows.samples < needed:
                 return False
@@ -222,10 +226,12 @@ class HealthGuard:
             return mine is not None and theirs is not None and mine <= self.margin * theirs
 
         self.last_duel = (None, None)
+        self.hold_candidate = False
         if dueled and healthy(self.windows, self.features) and closer_to_source():
             verdict = "checkpoint"
         elif dueled:
             verdict = "theta0" if healthy(self.source_windows, self.source_features) else "hold"
+            self.hold_candidate = verdict == "hold" and closer_to_source()
         else:
             verdict = "theta0" if healthy(self.windows, self.features) else "hold"
         self.verdicts[verdict] += 1

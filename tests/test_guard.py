@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from eva0_edge.bench.evaluate import EvalSpec, load_domains
 from eva0_edge.bench.fashion_mnist import load_fashion_mnist
 from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.guard import GuardBounds
@@ -200,6 +201,36 @@ def test_a_stream_that_breaks_the_source_too_holds_at_theta0_until_it_ends(clean
     assert model.state.guard_trips == 1 and model.stats()["drift"] > 0
 
 
+def test_a_stream_that_breaks_the_source_too_keeps_what_was_learnt_before_it(clean):
+    """Black frames after clean adaptation: theta0 fails on them too, so the stream, not the
+    adaptation, is to blame. The guard serves theta0 while they last but keeps the healthy
+    theta it rolled back to, and adaptation goes on from it when clean images return."""
+    x, _ = clean
+    unshifted = {"activation_shift": 0.0}  # served logits are exactly theta0's during holds
+    model = AdaptiveModel.load(RESNET, "eva0", unshifted, threads=1)
+    source = AdaptiveModel.load(RESNET, "noadapt", threads=1)
+    for i in range(0, 1024, 16):
+        model.step(x[i : i + 16])
+    assert model.state.guard_trips == 0
+    black = np.repeat(x[:1] * 0 + x.min(), 16, axis=0)
+    kept = None
+    for _ in range(64):
+        served = model.step(black)
+        if model.state.guard_trips and kept is None:
+            kept = model.state.theta.copy()  # the healthy theta the trip rolled back to
+        elif kept is not None:
+            np.testing.assert_allclose(served, source.predict(black), atol=1e-5)
+    verdicts = model.stats()["guard"]["pause_verdicts"]
+    assert model.state.guard_trips == 1 and verdicts["hold"] >= 2 and verdicts["theta0"] == 0
+    assert not np.array_equal(kept, read_metadata(RESNET).theta0)
+    np.testing.assert_array_equal(model.state.theta, kept)
+    for i in range(1024, 2048, 16):
+        model.step(x[i : i + 16])
+    verdicts = model.stats()["guard"]["pause_verdicts"]
+    assert verdicts["checkpoint"] >= 1 and verdicts["theta0"] == 0
+    assert model.state.guard_trips == 1 and not np.array_equal(model.state.theta, kept)
+
+
 def test_an_audit_serves_the_current_theta_and_keeps_it_on_the_stream_it_learnt(clean):
     x, _ = clean
     unshifted = {"activation_shift": 0.0}  # the served logits are the duelled theta's own
@@ -250,3 +281,26 @@ def test_the_activation_shift_forgets_a_stream_the_guard_held_on(clean):
             break
     assert model.stats()["guard"]["pause_verdicts"]["theta0"] == 1
     assert model.state.shift_weight == 0.0
+
+
+def test_a_return_to_clean_images_after_noise_frames_is_judged_on_the_clean_images():
+    """Frost, then uniform-noise frames, then clean images (512 each, batch 16, shipped ViT):
+    the noise holds the frost-adapted theta (theta0 fails on noise too) while theta0 is served;
+    the duel that decides what follows starts again when the stream changes, so it is made on
+    clean images alone, where theta0 wins. Clean accuracy equals NoAdapt's (before: the duel
+    straddled noise and clean, and the first 128 clean images lost 36 points)."""
+    vit = SHIPPED[0]
+    spec = EvalSpec(model=str(vit), dataset="fmnist-c", protocol="continual", severity=5,
+                    batch_size=16, methods=["eva0"], corruptions=["frost", "noise", "clean"],
+                    limit=512, threads=1)
+    domains = load_domains(spec, progress=False)
+    pre = read_metadata(vit).preprocessing
+    clean_hits = {}
+    for name in ("noadapt", "eva0"):
+        model = AdaptiveModel.load(vit, name, threads=1)
+        for domain in domains:
+            hits = [int((model.step(x).argmax(1) == y).sum()) for x, y in domain.batches(16, pre)]
+        clean_hits[name] = sum(hits)
+    verdicts = model.stats()["guard"]["pause_verdicts"]
+    assert verdicts["hold"] >= 1 and verdicts["theta0"] >= 1
+    assert clean_hits["eva0"] >= clean_hits["noadapt"] - 5  # 1% of 512
