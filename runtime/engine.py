@@ -429,11 +429,16 @@ class AdaptiveModel:
         keep = verdict == "checkpoint" or (verdict == "hold" and guard.hold_candidate)
         if dueled and not keep:
             self._roll_back(self.metadata.theta0)
+        elif dueled and verdict == "hold" and what == "audit":
+            # an audit duels the current theta, which adapted on the stream that fails theta0
+            # too: keep the last checkpoint taken while the signals were in bounds instead
+            self._roll_back(st.healthy_theta)
         if verdict == "hold":
             st.pause_left = cfg.guard_pause
         quiet = (verdict == "hold" and not dueled) or (what, verdict) == ("audit", "checkpoint")
-        hold = ("serving theta0 and keeping the duelled theta for the next duel"
-                if keep else "holding at theta0")
+        kept = "the last healthy checkpoint" if what == "audit" else "the duelled theta"
+        hold = f"serving theta0 and keeping {kept} for the next duel" if keep else \
+            "holding at theta0"
         log.log(logging.INFO if quiet else logging.WARNING,
                 "health guard: after the %s at step %d (alignment %s vs theta0's %s), %s",
                 what, st.step, *(f"{d:.4g}" if d is not None else "-" for d in guard.last_duel), {
