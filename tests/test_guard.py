@@ -304,3 +304,33 @@ def test_a_return_to_clean_images_after_noise_frames_is_judged_on_the_clean_imag
     verdicts = model.stats()["guard"]["pause_verdicts"]
     assert verdicts["hold"] >= 1 and verdicts["theta0"] >= 1
     assert clean_hits["eva0"] >= clean_hits["noadapt"] - 5  # 1% of 512
+
+
+def test_an_audit_on_black_frames_keeps_the_checkpoint_learnt_before_them(clean):
+    """The shipped ViT adapts on clean images, then black frames start: the new stream starts
+    an audit at once, theta0 fails on black frames too, so theta0 is served while they last and
+    the last healthy checkpoint, from before them, is what adaptation goes on from when clean
+    images return (not the theta the audit duelled, which adapted on black frames)."""
+    vit = SHIPPED[0]
+    pre = read_metadata(vit).preprocessing
+    images, labels = load_fashion_mnist("test")
+    order = np.random.default_rng(11).permutation(len(labels))[:2048]
+    x, y = preprocess_uint8(images[order], pre), labels[order]
+    model = AdaptiveModel.load(vit, "eva0", threads=1)
+    source = AdaptiveModel.load(vit, "noadapt", threads=1)
+    for i in range(0, 1024, 16):
+        model.step(x[i : i + 16])
+    checkpoint = model.state.healthy_theta.copy()
+    assert not np.array_equal(checkpoint, model.metadata.theta0)
+    black = np.repeat(x[:1] * 0 + x.min(), 16, axis=0)
+    for _ in range(64):
+        model.step(black)
+    guard = model.stats()["guard"]
+    assert guard["audits"] >= 1 and guard["pause_verdicts"]["hold"] >= 2
+    np.testing.assert_array_equal(model.state.theta, checkpoint)
+    adapted = sum(int((model.step(x[i : i + 16]).argmax(1) == y[i : i + 16]).sum())
+                  for i in range(1024, 2048, 16))
+    reference = sum(int((source.predict(x[i : i + 16]).argmax(1) == y[i : i + 16]).sum())
+                    for i in range(1024, 2048, 16))
+    assert model.stats()["guard"]["pause_verdicts"]["checkpoint"] >= 1
+    assert adapted >= reference - 10  # 1% of 1024
