@@ -426,17 +426,22 @@ class AdaptiveModel:
         verdict = guard.pause_verdict(dueled, min(guard.warmup, cfg.guard_pause))
         if held and verdict != "hold" and self.shift is not None:
             self.shift.restart(st)  # its windows saw a stream theta0 fails on
+        guard_candidate = st.theta.copy()
         keep = verdict == "checkpoint" or (verdict == "hold" and guard.hold_candidate)
         if dueled and not keep:
             self._roll_back(self.metadata.theta0)
-        elif dueled and verdict == "hold" and what == "audit":
-            # an audit duels the current theta, which adapted on the stream that fails theta0
-            # too: keep the last checkpoint taken while the signals were in bounds instead
+        elif dueled and verdict == "hold" and what == "audit" and self.shift is not None \
+                and self.shift.degenerate(st):
+            # an audit duels the current theta, which adapted on the stream: on one with no
+            # spread (black frames, noise) that is no learning to keep, so keep the last
+            # checkpoint taken while the signals were in bounds; on a corruption theta0 fails
+            # too (fog), what the current theta learnt is kept
             self._roll_back(st.healthy_theta)
         if verdict == "hold":
             st.pause_left = cfg.guard_pause
         quiet = (verdict == "hold" and not dueled) or (what, verdict) == ("audit", "checkpoint")
-        kept = "the last healthy checkpoint" if what == "audit" else "the duelled theta"
+        kept = "the duelled theta" if np.array_equal(st.theta, guard_candidate) else \
+            "the last healthy checkpoint"
         hold = f"serving theta0 and keeping {kept} for the next duel" if keep else \
             "holding at theta0"
         log.log(logging.INFO if quiet else logging.WARNING,

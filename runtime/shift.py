@@ -93,6 +93,17 @@ class ActivationShift:
         self.restarts = 0
         self.changes = 0
 
+    def degenerate(self, state: AdaptState) -> bool:
+        """Whether the recent window (full: ``RECENT_SAMPLES`` samples' weight) holds a stream
+        with almost no spread: variance under ``MIN_SPREAD`` of its mean squared norm (black or
+        white frames, one image repeated, the ViT on noise frames: <= 1.3%; validation
+        corruptions: >= 11%). Such a stream teaches nothing worth keeping."""
+        full = 1.0 - self.recent_factor**RECENT_SAMPLES
+        if not state.shift_recent.size or state.shift_recent_weight < full:
+            return False
+        square = state.shift_recent_sq
+        return bool(square - float(state.shift_recent @ state.shift_recent) < MIN_SPREAD * square)
+
     def offset(self, state: AdaptState) -> np.ndarray:
         """The logit offset W s [K] for the state's test mean (zero until the window holds
         ``RECENT_SAMPLES`` samples, ``BOUND_SAMPLES`` with a bound)."""
