@@ -426,7 +426,7 @@ class AdaptiveModel:
         verdict = guard.pause_verdict(dueled, min(guard.warmup, cfg.guard_pause))
         if held and verdict != "hold" and self.shift is not None:
             self.shift.restart(st)  # its windows saw a stream theta0 fails on
-        guard_candidate = st.theta.copy()
+        duelled = st.theta.copy()
         keep = verdict == "checkpoint" or (verdict == "hold" and guard.hold_candidate)
         if dueled and not keep:
             self._roll_back(self.metadata.theta0)
@@ -440,7 +440,7 @@ class AdaptiveModel:
         if verdict == "hold":
             st.pause_left = cfg.guard_pause
         quiet = (verdict == "hold" and not dueled) or (what, verdict) == ("audit", "checkpoint")
-        kept = "the duelled theta" if np.array_equal(st.theta, guard_candidate) else \
+        kept = "the duelled theta" if np.array_equal(st.theta, duelled) else \
             "the last healthy checkpoint"
         hold = f"serving theta0 and keeping {kept} for the next duel" if keep else \
             "holding at theta0"

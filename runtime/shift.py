@@ -96,8 +96,8 @@ class ActivationShift:
     def degenerate(self, state: AdaptState) -> bool:
         """Whether the recent window (full: ``RECENT_SAMPLES`` samples' weight) holds a stream
         with almost no spread: variance under ``MIN_SPREAD`` of its mean squared norm (black or
-        white frames, one image repeated, the ViT on noise frames: <= 1.3%; validation
-        corruptions: >= 11%). Such a stream teaches nothing worth keeping."""
+        white frames, one image repeated, noise frames: the ViT at theta0 1.3%; the validation
+        corruptions 10% or more). Such a stream teaches nothing worth keeping."""
         full = 1.0 - self.recent_factor**RECENT_SAMPLES
         if not state.shift_recent.size or state.shift_recent_weight < full:
             return False
