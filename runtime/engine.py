@@ -426,8 +426,8 @@ class AdaptiveModel:
         verdict = guard.pause_verdict(dueled, min(guard.warmup, cfg.guard_pause))
         if held and verdict != "hold" and self.shift is not None:
             self.shift.restart(st)  # its windows saw a stream theta0 fails on
-        duelled = st.theta.copy()
         keep = verdict == "checkpoint" or (verdict == "hold" and guard.hold_candidate)
+        kept = "the duelled theta"
         if dueled and not keep:
             self._roll_back(self.metadata.theta0)
         elif dueled and verdict == "hold" and what == "audit" and self.shift is not None \
@@ -437,11 +437,10 @@ class AdaptiveModel:
             # checkpoint taken while the signals were in bounds; on a corruption theta0 fails
             # too (fog), what the current theta learnt is kept
             self._roll_back(st.healthy_theta)
+            kept = "the last healthy checkpoint"
         if verdict == "hold":
             st.pause_left = cfg.guard_pause
         quiet = (verdict == "hold" and not dueled) or (what, verdict) == ("audit", "checkpoint")
-        kept = "the duelled theta" if np.array_equal(st.theta, duelled) else \
-            "the last healthy checkpoint"
         hold = f"serving theta0 and keeping {kept} for the next duel" if keep else \
             "holding at theta0"
         log.log(logging.INFO if quiet else logging.WARNING,
