@@ -449,7 +449,7 @@ class AdaptiveModel:
             "checkpoint": "adaptation goes on from the duelled theta (in bounds, and not "
                           f"over {cfg.guard_audit_margin}x theta0's distance to the source)",
             "theta0": "adaptation resumes from theta0",
-            "hold": f"theta0's own signals are out of bounds too: {hold} for "
+            "hold": f"theta0's own signals are out of bounds (the stream is to blame): {hold} for "
                     f"{cfg.guard_pause} more samples",
         }[verdict])
 

@@ -23,13 +23,14 @@ samples (the engine keeps that count in the state).
 The pause is a duel, at the two forwards per sample an adaptation step costs: each batch runs
 at the checkpoint and at theta0 in one call, theta0's predictions are served, and each side's
 prediction signals (entropy, spread, logit norm) and feature moments (the alignment) fill their
-own windows. At the end of the pause (:meth:`HealthGuard.pause_verdict`) adaptation resumes
-from the checkpoint if its signals are in bounds (and it passes the audit's test below), else
-from theta0 if theta0's are, else it holds at theta0 for another
-pause: a stream on which even the source model's own signals are out of bounds (black
-frames, a corruption that collapses the source to one class) carries nothing the guard can
-vouch for, so the device serves the source model until the signals come back. A pause at
-theta0 (after a second trip) has no duel: one forward per sample.
+own windows. At the end of the pause (:meth:`HealthGuard.pause_verdict`), when theta0's own
+signals are out of bounds it holds at theta0 for another pause: a stream on which even the
+source model's signals are out of bounds (black frames, a corruption that collapses the
+source to one class) carries nothing the guard can vouch for, whatever the candidate's
+signals say, so the device serves the source model until the signals come back. Otherwise
+adaptation resumes from the checkpoint if its signals are in bounds (and it passes the
+audit's test below), else from theta0. A pause at theta0 (after a second trip) has no duel:
+one forward per sample.
 
 Absolute bounds cannot see a theta that is healthy by every signal but wrong for the stream it
 now meets (a continual stream leaves a theta adapted to one corruption in front of the next).
@@ -201,13 +202,17 @@ class HealthGuard:
 
     def pause_verdict(self, dueled: bool, needed: int) -> str:
         """Where adaptation resumes after a pause: ``checkpoint`` (keep the candidate),
-        ``theta0``, or ``hold`` (serve theta0 without adapting for another pause). A side needs
-        ``needed`` samples in its window and every signal in bounds; the candidate must also
-        have its features at most ``margin`` times as far from the source statistics as
-        theta0's. On a hold after a duel, ``hold_candidate`` says whether the candidate is kept
-        for the next duel: theta0 failing too puts the blame on the stream, not on what the
-        candidate learnt, so it is kept unless it is the farther from the source of the two.
-        The windows restart for what follows."""
+        ``theta0``, or ``hold`` (serve theta0 without adapting for another pause). A side is
+        healthy with ``needed`` samples in its window and every signal in bounds. theta0 not
+        healthy: ``hold``, whatever the candidate's signals (the stream is out of the range
+        the bounds were learnt on, so they vouch for nothing there: on the shipped ViT a
+        candidate in bounds served severity-5 brightness at 30% where theta0 with the
+        activation shift served 42%); ``hold_candidate`` then says whether the candidate is
+        kept for the next duel: the blame is on the stream, not on what the candidate learnt,
+        so it is kept unless it is over ``margin`` times as far from the source statistics as
+        theta0. theta0 healthy: ``checkpoint`` when the candidate is healthy and at most
+        ``margin`` times as far from the source as theta0, else ``theta0``. The windows
+        restart for what follows."""
         def healthy(windows: SignalWindows, features: FeatureWindow) -> bool:
             if windows.samples < needed:
                 return False
@@ -227,11 +232,12 @@ class HealthGuard:
 
         self.last_duel = (None, None)
         self.hold_candidate = False
-        if dueled and healthy(self.windows, self.features) and closer_to_source():
-            verdict = "checkpoint"
+        if dueled and not healthy(self.source_windows, self.source_features):
+            verdict = "hold"
+            self.hold_candidate = closer_to_source()
         elif dueled:
-            verdict = "theta0" if healthy(self.source_windows, self.source_features) else "hold"
-            self.hold_candidate = verdict == "hold" and closer_to_source()
+            keep = healthy(self.windows, self.features) and closer_to_source()
+            verdict = "checkpoint" if keep else "theta0"
         else:
             verdict = "theta0" if healthy(self.windows, self.features) else "hold"
         self.verdicts[verdict] += 1

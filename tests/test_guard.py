@@ -10,7 +10,7 @@ import pytest
 from eva0_edge.bench.evaluate import EvalSpec, load_domains
 from eva0_edge.bench.fashion_mnist import load_fashion_mnist
 from eva0_edge.runtime.engine import AdaptiveModel
-from eva0_edge.runtime.guard import GuardBounds
+from eva0_edge.runtime.guard import GuardBounds, HealthGuard
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.preprocess import preprocess_uint8
 from tests.test_testbed import SHIPPED
@@ -334,3 +334,29 @@ def test_an_audit_on_black_frames_keeps_the_checkpoint_learnt_before_them(clean)
                     for i in range(1024, 2048, 16))
     assert model.stats()["guard"]["pause_verdicts"]["checkpoint"] >= 1
     assert adapted >= reference - 10  # 1% of 1024
+
+
+def _duel(candidate: np.ndarray, source: np.ndarray) -> HealthGuard:
+    """A guard (spread bound only) that saw one 64-sample duel: logits [64, K] per side."""
+    bounds = GuardBounds(**{**dict.fromkeys(GuardBounds.__dataclass_fields__), "spread_min": 0.5})
+    guard = HealthGuard(bounds, window=256, warmup=64, checkpoint_every=256)
+    features = np.zeros((128, 4))
+    guard.observe_pause(np.concatenate([candidate, source]), features, dueled=True)
+    return guard
+
+
+def test_a_duel_on_a_stream_the_source_fails_holds_at_theta0_even_for_a_healthy_candidate():
+    """The source collapsed to one class (its spread out of bounds) puts the blame on the
+    stream: its signals cannot vouch for any theta there, so the guard serves theta0 and keeps
+    the candidate for the next duel, even when the candidate's own signals are in bounds (on
+    the shipped ViT the candidate served brightness at 30% where theta0 with the activation
+    shift served 42%). With the source in bounds, a healthy candidate wins."""
+    rng = np.random.default_rng(0)
+    spread = rng.normal(size=(64, 10)) * 3
+    collapsed = np.tile(np.eye(10)[0] * 5, (64, 1))
+    guard = _duel(spread, collapsed)
+    assert guard.pause_verdict(dueled=True, needed=64) == "hold" and guard.hold_candidate
+    guard = _duel(spread, spread[::-1])
+    assert guard.pause_verdict(dueled=True, needed=64) == "checkpoint"
+    guard = _duel(collapsed, spread)
+    assert guard.pause_verdict(dueled=True, needed=64) == "theta0"
