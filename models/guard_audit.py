@@ -4,11 +4,13 @@
     python models/guard_audit.py --model models/vit_fmnist.onnx --write
 
 Runs EVA-0 (the file's recommended values, guard on) over the 15-corruption continual stream
-(severity 5, ``--limit`` validation images per corruption, repeated ``--passes`` times without
-reset: a rare collapse shows only in long streams) at each batch size of
-``--batch-sizes`` (default 1 and 64) for every candidate of ``--grid`` (adapted samples between
-audits; ``None`` = no audit), and NoAdapt on the same stream. The continual stream is where an
-audit matters: a theta adapted to one corruption meets the next. Choice: the best worst cell
+followed by the clean images (severity 5, ``--limit`` validation images per domain, repeated
+``--passes`` times without reset: a rare collapse shows only in long streams) at each batch
+size of ``--batch-sizes`` (default 1 and 64) for every candidate of ``--grid`` (adapted samples
+between audits; ``None`` = no audit), and NoAdapt on the same stream. The continual stream is
+where an audit matters: a theta adapted to one corruption meets the next, and, at the end of
+each pass, the clean images the device sees when the corruption goes away (a theta adapted to
+snow serving clean images until the next audit). Choice: the best worst cell
 (a domain at a batch size: accuracy minus NoAdapt's; the product must not lose on any domain;
 compared at 0.1 point), ties to the better mean. ``--write`` stores the winner as
 ``guard_audit`` in the file's recommended values; the log goes to
@@ -26,6 +28,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from eva0_edge.bench.corruptions import CORRUPTIONS
 from eva0_edge.bench.evaluate import EvalSpec, load_domains, method_factory
 from eva0_edge.bench.protocols import run_protocol
 from eva0_edge.runtime.modelfile import load_onnx, read_metadata, save_onnx, set_metadata
@@ -84,7 +87,7 @@ def main() -> None:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     base = EvalSpec(model=args.model, dataset="fmnist-c", protocol="continual", severity=5,
                     batch_size=batches[0], methods=["noadapt"], split="val", limit=args.limit,
-                    threads=1)
+                    threads=1, corruptions=[*CORRUPTIONS, "clean"])
     once = load_domains(base, progress=False)
     domains = [replace(d, name=f"{d.name}@{i}" if args.passes > 1 else d.name)
                for i in range(1, args.passes + 1) for d in once]
