@@ -19,11 +19,16 @@ RESNET = SHIPPED[1]
 NO_BOUNDS = {f"guard_{name}": None for name in GuardBounds.__dataclass_fields__}
 
 
-@pytest.fixture(scope="module")
-def clean() -> tuple[np.ndarray, np.ndarray]:
+def _clean_images(model) -> tuple[np.ndarray, np.ndarray]:
+    """2048 seeded clean test images [N, C, H, W], preprocessed for ``model``, and labels [N]."""
     images, labels = load_fashion_mnist("test")
     order = np.random.default_rng(11).permutation(len(labels))[:2048]
-    return preprocess_uint8(images[order], read_metadata(RESNET).preprocessing), labels[order]
+    return preprocess_uint8(images[order], read_metadata(model).preprocessing), labels[order]
+
+
+@pytest.fixture(scope="module")
+def clean() -> tuple[np.ndarray, np.ndarray]:
+    return _clean_images(RESNET)
 
 
 def _watching(bounds: dict, eta_scale: float = 1.0) -> AdaptiveModel:
@@ -306,16 +311,13 @@ def test_a_return_to_clean_images_after_noise_frames_is_judged_on_the_clean_imag
     assert clean_hits["eva0"] >= clean_hits["noadapt"] - 5  # 1% of 512
 
 
-def test_an_audit_on_black_frames_keeps_the_checkpoint_learnt_before_them(clean):
+def test_an_audit_on_black_frames_keeps_the_checkpoint_learnt_before_them():
     """The shipped ViT adapts on clean images, then black frames start: the new stream starts
     an audit at once, theta0 fails on black frames too, so theta0 is served while they last and
     the last healthy checkpoint, from before them, is what adaptation goes on from when clean
     images return (not the theta the audit duelled, which adapted on black frames)."""
     vit = SHIPPED[0]
-    pre = read_metadata(vit).preprocessing
-    images, labels = load_fashion_mnist("test")
-    order = np.random.default_rng(11).permutation(len(labels))[:2048]
-    x, y = preprocess_uint8(images[order], pre), labels[order]
+    x, y = _clean_images(vit)
     model = AdaptiveModel.load(vit, "eva0", threads=1)
     source = AdaptiveModel.load(vit, "noadapt", threads=1)
     for i in range(0, 1024, 16):
