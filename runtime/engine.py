@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ from .state import (
     read_state_file,
     write_state_file,
 )
+from .statelimits import MAX_PAUSE_BATCH, SCALE_MARGIN, StateLimits
 from .update import apply_update
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class AdaptiveModel:
             session, self.config, Objective(self.config, self._source_stats)
         )
         self.shift = self._load_shift("activation_shift" in {**fp, **(config or {})})
+        self.limits = self._state_limits()
         self.seed = int(seed)
         self.last = StepStats()
         self.reset()
@@ -124,6 +126,26 @@ class AdaptiveModel:
                 raise
             log.warning("%s: activation shift off: %s", self.method, err)
             return None
+
+    def _state_limits(self) -> StateLimits:
+        """How far an installed state may be from this model (see :mod:`.statelimits`)."""
+        cfg, md = self.config, self.metadata
+        theta_radius = max(float(np.sqrt(md.num_params)), cfg.guard_drift_max or 0.0)
+        limits = StateLimits(
+            md.theta0.astype(np.float32), theta_radius, cfg.eta,
+            max(cfg.guard_pause, cfg.guard_warmup) + MAX_PAUSE_BATCH,
+        )
+        if self._source_stats is not None:
+            mean, std = self._source_stats
+            energy = float((mean**2 + std**2).sum())
+            limits = replace(limits, feature_energy=SCALE_MARGIN**2 * energy)
+        if self.shift is not None:
+            source = self.shift.source_mean
+            scale = SCALE_MARGIN * max(float(np.linalg.norm(source)),
+                                       float(np.sqrt(source.size)))
+            limits = replace(limits, shift_source=source, shift_square_max=scale**2,
+                             shift_radius=scale)
+        return limits
 
     @classmethod
     def load(
@@ -206,7 +228,7 @@ class AdaptiveModel:
     def load_state_dict(self, values: dict[str, Any]) -> None:
         """Replace the state; shapes are checked before anything changes."""
         state = AdaptState.from_dict(values)
-        self._check_shapes(state)
+        self._check_state(state)
         self._install(state)
 
     def state_sizes(self) -> dict[str, int]:
@@ -220,13 +242,15 @@ class AdaptiveModel:
             "shift_recent": md.num_features,
         }
 
-    def _check_shapes(self, state: AdaptState) -> None:
+    def _check_state(self, state: AdaptState) -> None:
+        """Shapes, then magnitudes against this model (:mod:`.statelimits`)."""
         check_state_sizes(state, self.state_sizes())
         for name in ("shift_mean", "shift_recent"):
             size = getattr(state, name).size
             if self.shift is not None and size not in (0, self.shift.head.width):
                 raise StateError(f"state {name} has {size} values; this model's head input "
                                  f"has {self.shift.head.width}")
+        self.limits.check(state)
 
     def _install(self, state: AdaptState) -> None:
         self.state = state
@@ -245,7 +269,7 @@ class AdaptiveModel:
         first, checksum, fingerprint, every value and shape) without touching the current
         state, so it may run on any thread; StateError names what is wrong."""
         state, _ = decode_state(data, self.fingerprint, self.state_sizes())
-        self._check_shapes(state)
+        self._check_state(state)
         return state
 
     def install_state(self, state: AdaptState) -> None:
@@ -262,7 +286,7 @@ class AdaptiveModel:
     def load_state(self, path: str | os.PathLike) -> None:
         """Load a state file written by :meth:`save_state` for this model."""
         state, _ = read_state_file(path, self.fingerprint, self.state_sizes())
-        self._check_shapes(state)
+        self._check_state(state)
         self._install(state)
 
     # ----------------------------------------------------------------- stats

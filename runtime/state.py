@@ -29,6 +29,7 @@ _REQUIRED_ARRAYS = (
     "theta", "anchor", "center", "mean", "second_moment", "velocity", "healthy_theta",
 )
 _OPTIONAL_ARRAYS = ("shift_mean", "shift_recent")  # absent from version-2 files
+_PARAMETER_ARRAYS = ("theta", "anchor", "velocity", "healthy_theta")  # float32, as stored
 _ARRAY_FIELDS = (*_REQUIRED_ARRAYS, *_OPTIONAL_ARRAYS)
 _COUNTS = (  # ints in [0, 2^63)
     "step", "skipped", "seed", "clipped_coefs", "clipped_steps", "guard_trips", "pause_left",
@@ -144,6 +145,9 @@ class AdaptState:
         for name in _COUNTS:
             if name in kwargs:
                 kwargs[name] = _checked_count(name, kwargs[name])
+        for name in ("skipped", "clipped_steps", "guard_trips"):  # each counts steps
+            if kwargs.get(name, 0) > kwargs["step"]:
+                raise StateError(f"state {name} = {kwargs[name]} exceeds step = {kwargs['step']}")
         for name in (*_WEIGHTS, *_MAGNITUDES):
             if name in kwargs:
                 kwargs[name] = _checked_float(name, kwargs[name], name in _WEIGHTS)
@@ -161,7 +165,11 @@ def _checked_array(name: str, value: Any) -> np.ndarray:
         raise StateError(f"state {name} holds NaN or infinite values")
     if name == "second_moment" and (array < 0).any():
         raise StateError("state second_moment holds negative values")
-    return array
+    if name in _PARAMETER_ARRAYS:  # the engine computes in float32: the values must fit it
+        if array.size and np.abs(array).max() > np.finfo(np.float32).max:
+            raise StateError(f"state {name} holds values beyond float32's range")
+        return array.astype(np.float32)
+    return array.astype(np.float64)
 
 
 def _checked_count(name: str, value: Any) -> int:
@@ -225,10 +233,13 @@ def check_state_sizes(state: AdaptState, sizes: dict[str, int]) -> None:
 
 
 def check_member_sizes(data: bytes, sizes: dict[str, int]) -> None:
-    """Refuse an archive whose members would decompress beyond what ``sizes`` (elements per
-    array) allows, from the zip headers alone (nothing is decompressed); also unknown members."""
+    """Refuse an archive whose members would decompress or load beyond what ``sizes`` (elements
+    per array) allows, from the zip headers and each member's ``.npy`` header alone (nothing
+    is decompressed beyond those headers, no array is allocated); also unknown members and
+    members that are not 1-D float arrays (``__meta__``: one string)."""
     try:
-        members = zipfile.ZipFile(io.BytesIO(data)).infolist()
+        archive = zipfile.ZipFile(io.BytesIO(data))
+        members = archive.infolist()
     except (zipfile.BadZipFile, ValueError) as err:
         raise StateError(f"unreadable state (truncated or not a state file): {err}") from err
     for member in members:
@@ -244,6 +255,34 @@ def check_member_sizes(data: bytes, sizes: dict[str, int]) -> None:
                 f"state member {member.filename!r} unpacks to {member.file_size} bytes; "
                 f"this model's state needs at most {limit}"
             )
+        shape, dtype = _npy_header(archive, member)
+        if name == "__meta__":
+            if shape != () or dtype.kind != "U":
+                raise StateError("state member '__meta__' must hold one string")
+        elif len(shape) != 1 or dtype.kind != "f" or shape[0] > sizes[name]:
+            raise StateError(
+                f"state member {member.filename!r} declares a {dtype} array of shape "
+                f"{list(shape)}; this model's state needs at most {sizes[name]} floats"
+            )
+
+
+def _npy_header(archive: zipfile.ZipFile, member: zipfile.ZipInfo) -> tuple[tuple, np.dtype]:
+    """(shape, dtype) from a member's ``.npy`` header, read without loading the array."""
+    try:
+        with archive.open(member) as stream:
+            version = np.lib.format.read_magic(stream)
+            if version == (1, 0):
+                shape, _, dtype = np.lib.format.read_array_header_1_0(stream)
+            elif version == (2, 0):
+                shape, _, dtype = np.lib.format.read_array_header_2_0(stream)
+            else:
+                raise ValueError(f"unsupported .npy version {version}")
+    except (OSError, ValueError, SyntaxError, zipfile.BadZipFile, EOFError) as err:
+        raise StateError(f"state member {member.filename!r} is not a readable array: "
+                         f"{str(err)[:200]}") from err
+    if dtype.hasobject:
+        raise StateError(f"state member {member.filename!r} holds Python objects")
+    return shape, dtype
 
 
 def decode_state(
@@ -261,8 +300,13 @@ def decode_state(
             arrays = {name: npz[name] for name in (*_REQUIRED_ARRAYS, *present)}
     except (OSError, KeyError, ValueError, zipfile.BadZipFile, json.JSONDecodeError) as err:
         raise StateError(f"unreadable state (truncated or not a state file): {err}") from err
-    if meta.get("version", 0) > STATE_VERSION:
-        raise StateError(f"state version {meta['version']} is newer than this runtime")
+    if not isinstance(meta, dict):
+        raise StateError("state metadata '__meta__' must be a JSON object")
+    version = meta.get("version", 0)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise StateError(f"state version must be an integer, got {version!r:.40}")
+    if version > STATE_VERSION:
+        raise StateError(f"state version {version} is newer than this runtime")
     if _digest(arrays) != meta.get("sha256"):
         raise StateError("state checksum mismatch: the file is corrupt or was modified")
     if fingerprint is not None and meta.get("fingerprint") != fingerprint:
@@ -271,7 +315,8 @@ def decode_state(
     if not isinstance(scalars, dict):
         raise StateError("state metadata has no scalars")
     state = AdaptState.from_dict({**arrays, **scalars})
-    return state, meta.get("info", {})
+    info = meta.get("info", {})
+    return state, info if isinstance(info, dict) else {}
 
 
 def write_state_file(path: str | os.PathLike, data: bytes) -> Path:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -78,3 +80,110 @@ def test_a_valid_state_round_trips(adapted, calibrated_vit):
     fresh = AdaptiveModel.load(calibrated_vit, "eva0", provider="cpu")
     fresh.install_state(fresh.parse_state_bytes(adapted.state_bytes()))
     np.testing.assert_array_equal(fresh.state.theta, adapted.state.theta)
+
+
+SHIPPED_VIT = Path(__file__).resolve().parents[1] / "models" / "vit_fmnist.onnx"
+
+
+@pytest.fixture(scope="module")
+def shifted() -> AdaptiveModel:
+    """The shipped ViT with EVA-0 (its activation shift on), a few steps into a stream."""
+    model = AdaptiveModel.load(SHIPPED_VIT, "eva0", provider="cpu", threads=1)
+    for seed in range(4):
+        model.step(uniform_batch(16, seed) * 0.5)
+    return model
+
+
+def _far(model: AdaptiveModel, name: str, scale: float, dtype=np.float32) -> np.ndarray:
+    """``name`` moved ``scale`` along a unit direction from where it is."""
+    value = getattr(model.state, name).astype(np.float64)
+    return (value + scale / np.sqrt(value.size)).astype(dtype)
+
+
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        (lambda m: {"theta": np.full(m.metadata.num_params, 1e300)}, "beyond float32's range"),
+        (lambda m: {"theta": _far(m, "theta", 1e30)}, "state theta is 1e\\+30 from theta0"),
+        (lambda m: {"theta": _far(m, "theta", 100.0)}, "state theta is .* from theta0"),
+        (lambda m: {"anchor": _far(m, "anchor", 1e30)}, "state anchor is"),
+        (lambda m: {"healthy_theta": _far(m, "healthy_theta", 1e3)}, "state healthy_theta is"),
+        (lambda m: {"velocity": _far(m, "velocity", 1e9)}, "state velocity would move theta"),
+        (lambda m: {"pause_left": 2**62}, "pause_left = 4611686018427387904 exceeds"),
+        (lambda m: {"skipped": m.state.step + 1}, "skipped = .* exceeds step"),
+        (lambda m: {"shift_mean": _far(m, "shift_mean", 1e6, np.float64),
+                    "shift_sq": 1e13}, "state shift_mean is .* from the source head mean"),
+        (lambda m: {"shift_sq": 1e6}, "state shift_sq = 1e\+06 is over"),
+        (lambda m: {"shift_sq": 0.0}, "below the squared norm of shift_mean"),
+        (lambda m: {"second_moment": m.state.second_moment * 1e6}, "second_moment sums to"),
+    ],
+)
+def test_a_state_the_model_cannot_survive_is_refused(shifted, changes, match):
+    """Well-formed, re-signed, finite, and still refused: every field is held to what
+    adaptation could have produced on this model (:mod:`eva0_edge.runtime.statelimits`)."""
+    before = shifted.state_bytes()
+    with pytest.raises(StateError, match=match):
+        shifted.load_state_bytes(_resigned(shifted, **changes(shifted)))
+    assert shifted.state_bytes() == before
+
+
+def test_the_limits_hold_what_adaptation_reaches(shifted):
+    """The other side: states of every method after a stream of shifted, noisy batches pass."""
+    rng = np.random.default_rng(0)
+    for method in ("eva0", "zoa", "spsa2-shared", "noadapt-shift"):
+        model = AdaptiveModel.load(SHIPPED_VIT, method, provider="cpu", threads=1)
+        for step in range(24):
+            batch = uniform_batch(8, step) * 0.3 + rng.normal(0.4, 0.3, (8, 3, 32, 32))
+            model.step(np.clip(batch, -1, 1).astype(np.float32))
+            model.parse_state_bytes(model.state_bytes())
+
+
+def _archive(members: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    return buf.getvalue()
+
+
+def _npy(header: dict, payload: bytes = b"") -> bytes:
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, header)
+    return buf.getvalue() + payload
+
+
+@pytest.mark.parametrize(
+    "members,match",
+    [
+        ({"theta.npy": _npy({"descr": "<f4", "fortran_order": False, "shape": (2**40,)})},
+         "declares a float32 array of shape \\[1099511627776\\]"),
+        ({"theta.npy": _npy({"descr": "|O", "fortran_order": False, "shape": (3,)})},
+         "Python objects"),
+        ({"theta.npy": _npy({"descr": "<i8", "fortran_order": False, "shape": (3,)}, b"\0" * 24)},
+         "declares a int64 array"),
+        ({"theta.npy": b"not an array"}, "not a readable array"),
+        ({"__meta__.npy": _npy({"descr": "<f8", "fortran_order": False, "shape": (1,)},
+                               b"\0" * 8)}, "must hold one string"),
+    ],
+)
+def test_array_headers_are_read_before_any_array_is_allocated(adapted, members, match):
+    with pytest.raises(StateError, match=match):
+        adapted.parse_state_bytes(_archive(members))
+
+
+@pytest.mark.parametrize(
+    "meta,match",
+    [
+        ([1, 2], "must be a JSON object"),
+        ({"version": "3"}, "version must be an integer"),
+        ({"version": 2.5}, "version must be an integer"),
+        ({"version": 99}, "newer than this runtime"),
+    ],
+)
+def test_crafted_metadata_is_refused_by_name(adapted, meta, match):
+    arrays = {name: getattr(adapted.state, name) for name in ("theta", "anchor", "center", "mean",
+              "second_moment", "velocity", "healthy_theta")}
+    buf = io.BytesIO()
+    np.savez(buf, __meta__=np.array(json.dumps(meta)), **arrays)
+    with pytest.raises(StateError, match=match):
+        adapted.parse_state_bytes(buf.getvalue())

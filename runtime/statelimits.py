@@ -1,0 +1,109 @@
+"""How far a state may be from the model it is installed on.
+
+:mod:`.state` checks that every value of a state is well-formed (types, finiteness, ranges that
+hold for any model). A state can be well-formed and still be one the model cannot survive: a
+theta of 1e30 serves one class for everything, a paused count of 2^62 switches adaptation off
+for good, a test mean far from the source's makes the activation shift's offset swamp the
+logits. Anyone with the admin token can re-sign such a state, so every state is also held to
+what adaptation itself could have produced on this model:
+
+* theta, anchor and the healthy checkpoint within ``theta_radius`` of theta0: an RMS change of
+  1 per adapted parameter (norm scales and shifts live on the order of 1), or the guard's drift
+  bound where that is larger; the momentum ``velocity`` no longer than one step at the
+  method's eta could take across that radius;
+* ``pause_left`` at most the guard's longest pause (``max(guard_pause, guard_warmup)``) plus
+  one batch of :data:`MAX_PAUSE_BATCH` samples;
+* the activation shift's windows: their means within ``shift_radius`` of the source head mean
+  (10x the head input's scale ``max(||m_source||, sqrt(D))``; not ``shift_max``, which a
+  window may pass before it holds enough samples to be checked), their mean squared norms at
+  most (10x that scale)^2 and at least the squared norm of their mean (they are moments of the
+  same samples);
+* the feature moments: total energy ``sum(second_moment)`` at most 100x the source's
+  ``sum(mean^2 + std^2)`` (an RMS feature norm 10x the source's), where the file has source
+  statistics.
+
+Every bound is many times what the shipped models reach on the severity-5 streams
+(``tests/test_state_validation.py`` walks adapted states through them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .state import AdaptState, StateError
+
+MAX_PAUSE_BATCH = 2**16  # the largest batch whose pause a state may carry
+SCALE_MARGIN = 10.0  # the activation and feature bounds: 10x the source's scale
+
+
+@dataclass(frozen=True)
+class StateLimits:
+    """The bounds of one model and method. theta0: [P]; shift_source: the source head mean
+    [D] (None: no shift); feature_energy: the bound on ``sum(second_moment)`` (None: no source
+    statistics)."""
+
+    theta0: np.ndarray
+    theta_radius: float
+    eta: float
+    max_pause: int
+    shift_source: np.ndarray | None = None
+    shift_radius: float = np.inf
+    shift_square_max: float = np.inf
+    feature_energy: float | None = None
+
+    def check(self, state: AdaptState) -> None:
+        """StateError naming the first field beyond its bound; nothing else happens."""
+        theta0 = self.theta0.astype(np.float64)
+        for name in ("theta", "anchor", "healthy_theta"):
+            distance = float(np.linalg.norm(getattr(state, name) - theta0))
+            if distance > self.theta_radius:
+                raise StateError(
+                    f"state {name} is {distance:.4g} from theta0; this model allows at most "
+                    f"{self.theta_radius:.4g}"
+                )
+        reach = self.eta * float(np.linalg.norm(state.velocity.astype(np.float64)))
+        if reach > self.theta_radius:
+            raise StateError(
+                f"state velocity would move theta {reach:.4g} in one step (eta x ||velocity||); "
+                f"this model allows at most {self.theta_radius:.4g} from theta0"
+            )
+        if state.pause_left > self.max_pause:
+            raise StateError(
+                f"state pause_left = {state.pause_left} exceeds the longest pause this model's "
+                f"guard takes ({self.max_pause} samples)"
+            )
+        self._check_shift(state)
+        if self.feature_energy is not None:
+            energy = float(state.second_moment.sum())
+            if energy > self.feature_energy:
+                raise StateError(
+                    f"state second_moment sums to {energy:.4g}, over {self.feature_energy:.4g} "
+                    "(100x the source features' energy)"
+                )
+
+    def _check_shift(self, state: AdaptState) -> None:
+        windows = (("shift_mean", "shift_sq"), ("shift_recent", "shift_recent_sq"))
+        for mean_name, square_name in windows:
+            mean, square = getattr(state, mean_name), getattr(state, square_name)
+            if mean.size and self.shift_source is not None:
+                distance = float(np.linalg.norm(mean - self.shift_source))
+                if distance > self.shift_radius:
+                    raise StateError(
+                        f"state {mean_name} is {distance:.4g} from the source head mean; this "
+                        f"model allows at most {self.shift_radius:.4g}"
+                    )
+            if square > self.shift_square_max:
+                raise StateError(
+                    f"state {square_name} = {square:.4g} is over {self.shift_square_max:.4g} "
+                    "(the head input's squared scale, x100)"
+                )
+            if not mean.size:
+                continue
+            norm2 = float(mean @ mean)
+            if square < norm2 * (1.0 - 1e-9) - 1e-12:
+                raise StateError(
+                    f"state {square_name} = {square:.4g} is below the squared norm of "
+                    f"{mean_name} ({norm2:.4g}): not moments of one set of samples"
+                )
