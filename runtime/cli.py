@@ -192,6 +192,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         admin_token=args.admin_token or os.environ.get("EVA0_ADMIN_TOKEN") or None,
         loopback=_is_loopback(args.host),
         header_timeout_s=args.header_timeout_s,
+        host=args.host,
     )
     if options.max_pixels_mp <= 0 or options.header_timeout_s <= 0:
         raise ValueError("need --max-pixels-mp > 0 and --header-timeout-s > 0")
@@ -290,8 +291,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--snapshot-every", type=int, default=100, help="steps (default 100)")
     p.add_argument("--keep-snapshots", type=int, default=3, help="newest kept (default 3)")
     p.add_argument("--max-body-mb", type=float, default=64.0, help="request limit (MiB)")
-    p.add_argument("--max-pixels-mp", type=float, default=32.0,
-                   help="decoded megapixels per 'images' request (default 32)")
+    p.add_argument("--max-pixels-mp", type=float, default=16.0,
+                   help="decoded megapixels per 'images' request (default 16: a 16 MP RGBA "
+                   "PNG takes 128 MiB to decode and convert)")
     p.add_argument("--fixed-delay", action="store_true",
                    help="always let the oldest request wait up to --max-delay-ms for others "
                    "(default: wait only while more requests are being decoded)")

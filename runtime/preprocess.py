@@ -28,8 +28,14 @@ def _normalise(pixels: np.ndarray, pre: Preprocessing) -> np.ndarray:
 
 
 def _resize_crop(image: Image.Image, pre: Preprocessing) -> Image.Image:
+    """Resize the shorter side to ``size / crop_pct`` and centre-crop ``size``, in one resample
+    of the source region that lands in the crop (PIL's ``box``): the same pixels as resizing
+    the whole image and cropping, without ever holding the enlarged image (a 250000 x 1 PNG
+    would otherwise become 9 M x 36 pixels)."""
     channels, height, width = pre.input_size
-    image = image.convert("L" if channels == 1 else "RGB")
+    mode = "L" if channels == 1 else "RGB"
+    if image.mode != mode:  # an image of the mode already is used as it is, not copied
+        image = image.convert(mode)
     if image.size == (width, height):
         return image
     scale = math.floor(max(height, width) / pre.crop_pct)
@@ -38,10 +44,12 @@ def _resize_crop(image: Image.Image, pre: Preprocessing) -> Image.Image:
         size = (scale, max(1, round(h * scale / w)))
     else:
         size = (max(1, round(w * scale / h)), scale)
-    image = image.resize(size, _RESAMPLE.get(pre.interpolation, Image.Resampling.BILINEAR))
-    left = (image.size[0] - width) // 2
-    top = (image.size[1] - height) // 2
-    return image.crop((left, top, left + width, top + height))
+    left = (size[0] - width) // 2
+    top = (size[1] - height) // 2
+    sx, sy = w / size[0], h / size[1]
+    box = (left * sx, top * sy, min(w, (left + width) * sx), min(h, (top + height) * sy))
+    resample = _RESAMPLE.get(pre.interpolation, Image.Resampling.BILINEAR)
+    return image.resize((width, height), resample, box=box)
 
 
 def preprocess_images(images: Sequence[Image.Image], pre: Preprocessing) -> np.ndarray:

@@ -110,7 +110,8 @@ INTEGRATION_FIXTURES = {
     "small_vit", "small_resnet_gn", "prompt_vit", "small_model", "calibrated_vit", "server",
 }
 INTEGRATION_MODULES = {
-    "tests.test_serve", "tests.test_testbed", "tests.test_cost_bench", "tests.test_export",
+    "tests.test_serve", "tests.test_hostile", "tests.test_testbed", "tests.test_cost_bench",
+    "tests.test_export",
     "tests.test_fleet", "tests.test_fanout",
     "tests.test_cuda",
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import socket
@@ -9,11 +10,25 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import tritonclient.http as httpclient
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "resnet_gn_fmnist.onnx"
 NAME = "resnet_gn_fmnist"
+
+
+def http_call(server: Any, method: str, path: str, body: bytes | None = None,
+              headers: dict | None = None, timeout: float = 30.0) -> tuple[int, bytes]:
+    """One request on a fresh connection to ``server`` (anything with a ``port`` on
+    127.0.0.1); (status, body)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
 
 
 def free_port() -> int:
@@ -85,3 +100,30 @@ class ServerProcess:
         self.client.close()
         self._log.close()
         return self.process.returncode in (0, -signal.SIGTERM) and graceful_marker in self.log()
+
+
+class InProcessServer:
+    """An application (``create_app``) under uvicorn in a thread of this process, on a free
+    loopback port: for settings the CLI derives from the bind address (``loopback=False``),
+    tested without binding beyond 127.0.0.0/8."""
+
+    def __init__(self, app: Any) -> None:
+        import threading
+
+        import uvicorn
+
+        self.port = free_port()
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("in-process server did not start")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import http.client
 import io
 import json
 import re
@@ -18,6 +17,7 @@ from eva0_edge.bench.fashion_mnist import load_fashion_mnist
 from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.preprocess import preprocess_uint8
+from eva0_edge.runtime.server.app import ServeOptions, create_app
 from eva0_edge.runtime.server.protocol import (
     HEADER_LENGTH,
     ProtocolError,
@@ -25,7 +25,7 @@ from eva0_edge.runtime.server.protocol import (
     parse_infer_request,
 )
 from eva0_edge.runtime.state import decode_state, encode_state
-from tests.serving import MODEL, NAME, ServerProcess
+from tests.serving import MODEL, NAME, InProcessServer, ServerProcess, http_call
 
 MAX_BATCH = 32
 INFER = f"/v2/models/{NAME}/infer"
@@ -72,17 +72,6 @@ def image_input(images: np.ndarray) -> httpclient.InferInput:
     tensor = httpclient.InferInput("images", [len(images)], "BYTES")
     tensor.set_data_from_numpy(np.array([png(i) for i in images], dtype=object))
     return tensor
-
-
-def http_call(server: ServerProcess, method: str, path: str, body: bytes | None = None,
-              headers: dict | None = None) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    try:
-        conn.request(method, path, body=body, headers=headers or {})
-        response = conn.getresponse()
-        return response.status, response.read()
-    finally:
-        conn.close()
 
 
 def statistics(server: ServerProcess) -> dict:
@@ -392,17 +381,22 @@ def test_state_snapshot_get_put_and_reset(server, pixels):
 
 
 def test_admin_endpoints_need_the_token_or_loopback(tmp_path, pixels):
-    """Off loopback without a token: 403; with a token: 401 without or with a wrong one, 200
-    with the right one; inference stays open throughout."""
+    """Off loopback without a token: 403 (the app as a non-loopback bind configures it, served
+    on loopback); with a token: 401 without or with a wrong one, 200 with the right one;
+    inference stays open throughout."""
     reset_path = f"/v2/models/{NAME}/adaptation/reset"
-    open_bind = ServerProcess(tmp_path / "open.log", "--host", "0.0.0.0")
+    model = AdaptiveModel.load(MODEL, "eva0", seed=0, provider="cpu", threads=1)
+    open_bind = InProcessServer(create_app(model, ServeOptions(NAME, loopback=False)))
     try:
         assert http_call(open_bind, "POST", reset_path)[0] == 403
         status, state = http_call(open_bind, "GET", f"/v2/models/{NAME}/adaptation/state")
-        assert http_call(open_bind, "PUT", f"/v2/models/{NAME}/adaptation/state", state)[0] == 403
-        open_bind.client.infer(NAME, [tensor_input(pixels[:2])])
+        assert status == 403
+        assert http_call(open_bind, "PUT", f"/v2/models/{NAME}/adaptation/state",
+                         model.state_bytes())[0] == 403
+        status, body = http_call(open_bind, "POST", INFER, _infer_json([_pixels_json(pixels[:2])]))
+        assert status == 200, body
     finally:
-        assert open_bind.stop(), open_bind.log()
+        open_bind.stop()
     guarded = ServerProcess(tmp_path / "token.log", "--admin-token", "s3cret")
     try:
         assert http_call(guarded, "POST", reset_path)[0] == 401
@@ -495,7 +489,8 @@ def test_foa_is_served_with_its_state_refused(prompt_vit, tmp_path):
         status, body = http_call(server, "GET", f"/v2/models/{name}/adaptation/state")
         assert status == 409 and "not persisted" in json.loads(body)["error"]
         status, body = http_call(server, "POST", f"/v2/models/{name}/adaptation/freeze",
-                                 json.dumps({"frozen": True}).encode())
+                                 json.dumps({"frozen": True}).encode(),
+                                 {"Content-Type": "application/json"})
         assert status == 200 and json.loads(body)["frozen"] is True
         server.client.infer(name, [tensor_input(x)])
         status, body = http_call(server, "GET", f"/v2/models/{name}/adaptation/statistics")

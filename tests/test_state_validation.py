@@ -113,7 +113,7 @@ def _far(model: AdaptiveModel, name: str, scale: float, dtype=np.float32) -> np.
         (lambda m: {"skipped": m.state.step + 1}, "skipped = .* exceeds step"),
         (lambda m: {"shift_mean": _far(m, "shift_mean", 1e6, np.float64),
                     "shift_sq": 1e13}, "state shift_mean is .* from the source head mean"),
-        (lambda m: {"shift_sq": 1e6}, "state shift_sq = 1e\+06 is over"),
+        (lambda m: {"shift_sq": 1e6}, r"state shift_sq = 1e\+06 is over"),
         (lambda m: {"shift_sq": 0.0}, "below the squared norm of shift_mean"),
         (lambda m: {"second_moment": m.state.second_moment * 1e6}, "second_moment sums to"),
     ],

@@ -16,10 +16,11 @@ Endpoints (``{name}`` is the served model's name):
 Errors answer with the protocol's ``{"error": "..."}`` and a 4xx status; nothing that fails
 validation reaches the worker, so bad input never touches the adaptation state.
 
-Admin endpoints (reset, freeze, PUT state) need ``Authorization: Bearer <token>`` when a token
-is set (``--admin-token`` or ``EVA0_ADMIN_TOKEN``); without a token they are open on a loopback
-bind only and answer 403 elsewhere. Inference and the read-only endpoints stay open. No interactive
-docs or OpenAPI schema are served.
+Admin endpoints (reset, freeze, GET and PUT state) need ``Authorization: Bearer <token>`` when a
+token is set (``--admin-token`` or ``EVA0_ADMIN_TOKEN``); without a token they are open on a
+loopback bind only, to requests whose ``Host`` names this machine, and answer 403 elsewhere; a
+browser's cross-site ``Origin`` is refused either way (:func:`.context.admin_check`). Inference,
+health, statistics and metrics stay open. No interactive docs or OpenAPI schema are served.
 """
 
 from __future__ import annotations
@@ -108,6 +109,12 @@ def create_app(
     @app.exception_handler(ProtocolError)
     async def protocol_error(_: Request, err: ProtocolError) -> JSONResponse:
         return error_response(str(err), err.status)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, err: Exception) -> JSONResponse:
+        """A bug, not the client's fault: JSON like every other answer, no object reprs."""
+        log.error("internal error: %s: %s", type(err).__name__, err)
+        return error_response(f"internal server error ({type(err).__name__})", 500)
 
     for router in (oip_router(ctx), adaptation_router(ctx), metrics_router(ctx)):
         app.include_router(router)

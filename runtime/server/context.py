@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 import math
 import time
@@ -37,7 +38,8 @@ class ServeOptions:
     ``loopback``: the server binds a loopback address only (admin endpoints are open there
     without a token); ``body_timeout_s``: the longest a request body may take to arrive;
     ``header_timeout_s``: the longest a request's headers may take, from the connection's
-    opening or the previous response (then 408 and the connection is closed)."""
+    opening or the previous response (then 408 and the connection is closed); ``host``: the
+    address bound (admin requests may name it in ``Host``)."""
 
     name: str
     max_batch: int = 64
@@ -48,18 +50,24 @@ class ServeOptions:
     keep_snapshots: int = 3
     max_body_mb: float = 64.0
     summary_every_s: float = 30.0
-    max_pixels_mp: float = 32.0
+    max_pixels_mp: float = 16.0
     admin_token: str | None = None
     loopback: bool = True
     body_timeout_s: float = 30.0
     header_timeout_s: float = 10.0
+    host: str = "127.0.0.1"
 
 
-def finite_stats(stats: dict) -> dict:
-    """JSON has no NaN: statistics not yet defined (no step seen) become null."""
-    return {
-        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in stats.items()
-    }
+def finite_stats(stats: Any) -> Any:
+    """JSON has no NaN: statistics not yet defined (no step seen) or not finite become null,
+    at any depth."""
+    if isinstance(stats, dict):
+        return {k: finite_stats(v) for k, v in stats.items()}
+    if isinstance(stats, (list, tuple)):
+        return [finite_stats(v) for v in stats]
+    if isinstance(stats, float) and not math.isfinite(stats):
+        return None
+    return stats
 
 
 def error_response(message: str, status: int) -> JSONResponse:
@@ -97,19 +105,28 @@ class StepSummary:
         self.reset()
 
 
-async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytearray:
+    """The request body, at most ``limit`` bytes (413 beyond, before or while it arrives), within
+    ``timeout_s`` seconds (408); one buffer, sized up front when the length is declared."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    expected = int(declared) if declared is not None and declared.isdigit() else 0
+    if expected > limit:
         raise ProtocolError(f"request body of {declared} bytes exceeds the limit of {limit}", 413)
 
-    async def read() -> bytes:
-        chunks, size = [], 0
+    async def read() -> bytearray:
+        body = bytearray(expected)
+        size = 0
         async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
+            if size + len(chunk) > limit:
                 raise ProtocolError(f"request body exceeds the limit of {limit} bytes", 413)
-            chunks.append(chunk)
-        return b"".join(chunks)
+            if size + len(chunk) <= expected:
+                body[size : size + len(chunk)] = chunk
+            else:
+                del body[size:]
+                body += chunk
+            size += len(chunk)
+        del body[size:]
+        return body
 
     try:
         return await asyncio.wait_for(read(), timeout_s)
@@ -117,13 +134,55 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
         raise ProtocolError(f"request body did not arrive within {timeout_s:g} s", 408) from None
 
 
-def admin_check(request: Request, options: ServeOptions) -> None:
-    """401 without the right bearer token when one is set; 403 off loopback without one."""
+def _host_name(value: str) -> str:
+    """The host of a ``Host`` header or of an origin's authority, without port or brackets."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1 : value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def _is_local_name(host: str, bound: str) -> bool:
+    """A loopback name or address, or the address the server was bound to."""
+    if host in ("localhost", bound.lower()) or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def admin_check(request: Request, options: ServeOptions, body: str | None = None) -> None:
+    """401 without the right bearer token when one is set; 403 off loopback without one.
+
+    Loopback alone is no trust boundary: a web page can make the browser send a simple POST to
+    127.0.0.1, and DNS rebinding gives a page's own name a loopback address. So without a
+    token the ``Host`` must be a loopback name or address (or the bound host); with or
+    without one, an ``Origin`` (browsers send it on cross-site requests) must be too; and a
+    route that takes a body (``body``: its media type) refuses any other Content-Type
+    (text/plain, forms: what a page can send without a preflight)."""
+    origin = request.headers.get("origin")
+    if origin is not None and not _is_local_name(
+        _host_name(origin.partition("://")[2] or origin), options.host
+    ):
+        raise ProtocolError(f"admin endpoint: requests from origin {origin[:100]!r} are refused",
+                            403)
+    if body is not None:
+        given = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if given != body:
+            raise ProtocolError(f"admin endpoint: the body must be sent as Content-Type {body}, "
+                                f"got {given[:100] or 'none'!r}", 415)
     if options.admin_token is None:
         if not options.loopback:
             raise ProtocolError(
                 "admin endpoints are disabled on a non-loopback bind without an admin token "
                 "(--admin-token or EVA0_ADMIN_TOKEN)", 403,
+            )
+        host = request.headers.get("host", "")
+        if not _is_local_name(_host_name(host), options.host):
+            raise ProtocolError(
+                f"admin endpoint: Host {host[:100]!r} is not a loopback name or address (without "
+                "an admin token, admin requests must name this machine)", 403,
             )
         return
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
@@ -131,7 +190,6 @@ def admin_check(request: Request, options: ServeOptions) -> None:
         given.strip().encode(), options.admin_token.encode()
     ):
         raise ProtocolError("admin endpoint: missing or wrong bearer token", 401)
-
 
 
 @dataclass
@@ -145,6 +203,12 @@ class ServerContext:
     snapshots: SnapshotStore | None
     ready: asyncio.Event
     extension: ServerExtension | None = None
+    non_finite_rows: int = 0
+
+    def count_non_finite(self, rows: int) -> None:
+        """Rows of the model's output that were not finite (statistics and metrics)."""
+        self.non_finite_rows += rows
+        self.metrics.non_finite_rows.inc(rows)
 
     @property
     def body_limit(self) -> int:
@@ -167,8 +231,10 @@ class ServerContext:
                 f"unknown version {version!r} of {name!r}; versions: [{MODEL_VERSION!r}]", 404
             )
 
-    async def read_body(self, request: Request) -> bytes:
-        return await read_body(request, self.body_limit, self.options.body_timeout_s)
+    async def read_body(self, request: Request, limit: int | None = None) -> bytearray:
+        """The body, at most ``limit`` bytes (default: the server's body limit)."""
+        return await read_body(request, self.body_limit if limit is None else limit,
+                               self.options.body_timeout_s)
 
     async def on_worker(self, operation) -> Any:
         """``operation(model)`` on the worker thread, between steps."""

@@ -52,6 +52,10 @@ class ServerMetrics:
             "eva0_batch_requests", "Requests coalesced into one adaptation step",
             buckets=buckets, registry=self.registry,
         )
+        self.non_finite_rows = Counter(
+            "eva0_non_finite_rows", "Rows of the model's output that were not finite",
+            registry=self.registry,
+        )
         self.steps = Counter(
             "eva0_adaptation_steps", "Adaptation steps run", registry=self.registry
         )

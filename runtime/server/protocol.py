@@ -23,6 +23,14 @@ import numpy as np
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 MAX_DIMENSION = 2**31 - 1  # no tensor dimension beyond this (ONNX Runtime's int32 limit)
+# The JSON part of a request is parsed by Python's json module, which holds the GIL throughout
+# and builds one Python object (~32 bytes) per value: its bytes and its values are bounded
+# before parsing so that one request can neither stall the health routes nor blow up memory.
+# Larger tensors go as binary data (Triton's binary extension; tritonclient's default).
+MAX_JSON_BYTES = 16 * 2**20
+MAX_JSON_VALUES = 2**18  # one full batch of 64 images of 3 x 32 x 32 as JSON numbers
+MAX_ID_CHARS = 1024  # the request id is echoed in the response
+MAX_BYTES_ELEMENTS = 4096  # BYTES elements per input (each becomes a Python bytes object)
 
 _NUMPY = {
     "BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32,
@@ -89,7 +97,7 @@ def _flatten(data: Any) -> list:
     return out
 
 
-def _decode_bytes_binary(raw: bytes, count: int, name: str) -> list[bytes]:
+def _decode_bytes_binary(raw: memoryview, count: int, name: str) -> list[bytes]:
     items, offset = [], 0
     while offset < len(raw):
         if offset + 4 > len(raw):
@@ -98,7 +106,9 @@ def _decode_bytes_binary(raw: bytes, count: int, name: str) -> list[bytes]:
         offset += 4
         if offset + length > len(raw):
             raise ProtocolError(f"input {name!r}: BYTES element longer than its data")
-        items.append(raw[offset : offset + length])
+        if len(items) == count:
+            raise ProtocolError(f"input {name!r}: more BYTES elements than its shape's {count}")
+        items.append(bytes(raw[offset : offset + length]))
         offset += length
     if len(items) != count:
         raise ProtocolError(f"input {name!r}: {len(items)} BYTES elements for shape of {count}")
@@ -116,12 +126,20 @@ def _decode_bytes_json(data: Any, count: int, name: str) -> list[bytes]:
 
 
 def _decode_tensor(
-    spec: dict, raw: bytes | None, name: str
+    spec: dict, raw: memoryview | None, name: str
 ) -> np.ndarray | list[bytes]:
     shape = _shape(spec.get("shape"), name)
     datatype = spec.get("datatype")
+    if not isinstance(datatype, str):
+        raise ProtocolError(f"input {name!r}: 'datatype' must be a string, got "
+                            f"{type(datatype).__name__}")
     count = math.prod(shape)
     if datatype == "BYTES":
+        if count > MAX_BYTES_ELEMENTS:
+            raise ProtocolError(
+                f"input {name!r}: {count} BYTES elements, over the server's limit of "
+                f"{MAX_BYTES_ELEMENTS}", 413,
+            )
         if raw is not None:
             return _decode_bytes_binary(raw, count, name)
         return _decode_bytes_json(spec.get("data"), count, name)
@@ -144,8 +162,30 @@ def _decode_tensor(
         raise ProtocolError(f"input {name!r}: data does not fit {datatype} ({err})") from None
 
 
-def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
+def _check_json_length(length: int) -> None:
+    """Refuse a JSON part over :data:`MAX_JSON_BYTES` bytes before it is copied or read (413)."""
+    if length > MAX_JSON_BYTES:
+        raise ProtocolError(
+            f"the request's JSON part is {length} bytes, over the server's limit of "
+            f"{MAX_JSON_BYTES}; send tensors as binary data (parameters.binary_data_size)", 413,
+        )
+
+
+def _check_json_size(head: bytes | bytearray) -> None:
+    """Refuse a JSON part with more than :data:`MAX_JSON_VALUES` values (every value but a
+    container's first follows a comma; containers are counted by their opening bracket),
+    before anything is parsed (413)."""
+    values = head.count(b",") + head.count(b"[") + head.count(b"{")
+    if values > MAX_JSON_VALUES:
+        raise ProtocolError(
+            f"the request's JSON part holds up to {values} values, over the server's limit of "
+            f"{MAX_JSON_VALUES}; send tensors as binary data (parameters.binary_data_size)", 413,
+        )
+
+
+def parse_infer_request(body: bytes | bytearray, header_length: str | None) -> InferRequest:
     """Parse an inference request body. Raises :class:`ProtocolError` naming the problem."""
+    view = memoryview(body)
     if header_length is not None:
         try:
             json_length = int(header_length)
@@ -153,9 +193,12 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
             raise ProtocolError(f"{HEADER_LENGTH} is not an integer: {header_length!r}") from None
         if not 0 < json_length <= len(body):
             raise ProtocolError(f"{HEADER_LENGTH} {json_length} does not fit the body")
-        head, binary = body[:json_length], body[json_length:]
+        _check_json_length(json_length)
+        head, binary = bytes(view[:json_length]), view[json_length:]
     else:
-        head, binary = body, b""
+        _check_json_length(len(body))
+        head, binary = body, view[:0]
+    _check_json_size(head)
     try:
         request = json.loads(head)
     except (ValueError, RecursionError) as err:  # bad JSON, huge integers, deep nesting
@@ -194,11 +237,18 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
         for spec in request["outputs"]:
             if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
                 raise ProtocolError("every requested output needs a 'name'")
+            if any(spec["name"] == seen.name for seen in outputs):
+                raise ProtocolError(f"output {spec['name'][:100]!r} requested twice")
             out_params = _parameters(spec, f"output {spec['name']!r}")
             outputs.append(RequestedOutput(
                 spec["name"], bool(out_params.get("binary_data", binary_output)), out_params
             ))
     request_id = request.get("id")
+    if request_id is not None and (
+        not isinstance(request_id, (str, int)) or isinstance(request_id, bool)
+        or len(str(request_id)) > MAX_ID_CHARS
+    ):
+        raise ProtocolError(f"'id' must be a string of at most {MAX_ID_CHARS} characters")
     return InferRequest(
         str(request_id) if request_id is not None else None, inputs, datatypes, outputs,
         binary_output,

@@ -1,7 +1,11 @@
 """The adaptation extension (statistics, reset, freeze, state get/put) and Prometheus metrics.
-Reset, freeze and PUT state are admin endpoints (:func:`.context.admin_check`)."""
+Reset, freeze and both state routes are admin endpoints (:func:`.context.admin_check`): the
+state holds the adapted parameters, which are the deployment's to hand out; statistics and
+metrics (counters and health, no parameters) stay open for monitoring."""
 
 from __future__ import annotations
+
+import json
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -12,6 +16,8 @@ from ..methods import RuntimeModel
 from ..state import StateError
 from .context import ServerContext, admin_check, error_response, finite_stats
 from .protocol import ProtocolError
+
+FREEZE_BODY_LIMIT = 1024  # bytes: {"frozen": false} and some whitespace
 
 
 def adaptation_router(ctx: ServerContext) -> APIRouter:
@@ -27,6 +33,7 @@ def adaptation_router(ctx: ServerContext) -> APIRouter:
         ctx.check_name(name)
         stats = await ctx.on_worker(lambda m: m.stats())
         stats["snapshots_written"] = ctx.snapshots.written if ctx.snapshots else 0
+        stats["non_finite_rows"] = ctx.non_finite_rows
         if ctx.extension is not None:
             stats[ctx.extension.name] = ctx.extension.statistics()
         return finite_stats(stats)
@@ -34,7 +41,8 @@ def adaptation_router(ctx: ServerContext) -> APIRouter:
     @router.post("/reset")
     async def reset(name: str, request: Request) -> dict:
         ctx.check_name(name)
-        admin_check(request, options)
+        has_body = "content-type" in request.headers  # reset takes none; a form post is refused
+        admin_check(request, options, body="application/json" if has_body else None)
 
         def do_reset(m: RuntimeModel) -> dict:
             m.reset()
@@ -48,10 +56,11 @@ def adaptation_router(ctx: ServerContext) -> APIRouter:
     async def freeze(name: str, request: Request) -> dict:
         """Body ``{"frozen": true|false}``: predict without adapting, or resume."""
         ctx.check_name(name)
-        admin_check(request, options)
+        admin_check(request, options, body="application/json")
+        body = await ctx.read_body(request, FREEZE_BODY_LIMIT)
         try:
-            frozen = (await request.json())["frozen"]
-        except (ValueError, KeyError, TypeError):
+            frozen = json.loads(body)["frozen"]
+        except (ValueError, KeyError, TypeError, RecursionError):
             frozen = None
         if not isinstance(frozen, bool):
             raise ProtocolError('freeze needs a JSON body {"frozen": true} or {"frozen": false}')
@@ -72,8 +81,9 @@ def adaptation_router(ctx: ServerContext) -> APIRouter:
         return ctx.model
 
     @router.get("/state")
-    async def get_state(name: str) -> Response:
+    async def get_state(name: str, request: Request) -> Response:
         ctx.check_name(name)
+        admin_check(request, options)
         stateful_model()
         data = await ctx.on_worker(lambda m: m.state_bytes())
         return Response(data, media_type="application/octet-stream")
@@ -81,9 +91,9 @@ def adaptation_router(ctx: ServerContext) -> APIRouter:
     @router.put("/state")
     async def put_state(name: str, request: Request) -> Response:
         ctx.check_name(name)
-        admin_check(request, options)
+        admin_check(request, options)  # PUT: a browser preflights it, never granted
         model = stateful_model()
-        body = await ctx.read_body(request)
+        body = bytes(await ctx.read_body(request))
         try:  # decoded and validated off the worker thread: inference goes on meanwhile
             state = await run_in_threadpool(model.parse_state_bytes, body)
         except StateError as err:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
@@ -14,7 +15,21 @@ from eva0_edge import __version__
 from ..session import InputError
 from .context import MODEL_VERSION, ServerContext, error_response, log
 from .protocol import HEADER_LENGTH, ProtocolError, encode_infer_response, parse_infer_request
-from .tensors import model_input, model_metadata, model_outputs, plan_outputs
+from .tensors import OutputPlan, model_input, model_metadata, model_outputs, plan_outputs
+
+
+def check_finite_rows(ctx: ServerContext, logits: np.ndarray, plans: list[OutputPlan]) -> None:
+    """Count rows of ``logits`` [B, K] that are not finite; when a JSON output would carry them
+    (JSON has no NaN), answer 500 naming them instead (binary outputs carry IEEE values)."""
+    bad = np.flatnonzero(~np.isfinite(logits).all(axis=1))
+    if not bad.size:
+        return
+    ctx.count_non_finite(int(bad.size))
+    if any(not plan.binary and plan.name != "labels" for plan in plans):
+        raise ProtocolError(
+            f"rows {bad[:8].tolist()} of the model's output are not finite; JSON cannot carry "
+            "them (ask for binary outputs to receive them as they are)", 500,
+        )
 
 
 def oip_router(ctx: ServerContext) -> APIRouter:
@@ -77,6 +92,7 @@ def oip_router(ctx: ServerContext) -> APIRouter:
             future = worker.submit(x, announced=True)
             announced = False
             logits = await asyncio.wrap_future(future)
+            check_finite_rows(ctx, logits, plans)
             outputs = model_outputs(logits, plans, model.metadata.labels)
             content, headers = encode_infer_response(
                 options.name, MODEL_VERSION, parsed.id, outputs
@@ -88,7 +104,7 @@ def oip_router(ctx: ServerContext) -> APIRouter:
         except Exception as err:
             status = 500
             log.exception("inference failed")
-            return error_response(f"inference failed: {err}", status)
+            return error_response(f"inference failed ({type(err).__name__})", status)
         finally:
             if announced:
                 worker.withdraw()

@@ -14,6 +14,7 @@ Outputs: ``logits`` FP32 [B, K], ``probabilities`` FP32 [B, K] (softmax), ``labe
 from __future__ import annotations
 
 import io
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -53,8 +54,15 @@ def model_metadata(name: str, version: str, metadata: ModelMetadata) -> dict:
 FORMATS = ("PNG", "JPEG")
 
 
+def _image_error(i: int, err: Exception) -> ProtocolError:
+    """A decoding error for images[i], without the object reprs PIL puts in its messages."""
+    reason = re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "the data", str(err))[:200]
+    return ProtocolError(f"images[{i}] is not a decodable PNG/JPEG image ({reason})")
+
+
 def _decode_images(items: list[bytes], metadata: ModelMetadata, max_pixels: int) -> np.ndarray:
-    """Open every image lazily (headers only), check the pixel budget, then decode."""
+    """Open every image lazily (headers only) and check the pixel budget; then decode and
+    reduce one image at a time, so the memory held is one decoded image, not the request's."""
     opened, pixels = [], 0
     for i, data in enumerate(items):
         try:
@@ -63,7 +71,7 @@ def _decode_images(items: list[bytes], metadata: ModelMetadata, max_pixels: int)
                 image = Image.open(io.BytesIO(data), formats=FORMATS)
         except (UnidentifiedImageError, OSError, ValueError, SyntaxError,
                 Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
-            raise ProtocolError(f"images[{i}] is not a decodable PNG/JPEG image ({err})") from None
+            raise _image_error(i, err) from None
         pixels += image.width * image.height
         if pixels > max_pixels:
             raise ProtocolError(
@@ -71,12 +79,17 @@ def _decode_images(items: list[bytes], metadata: ModelMetadata, max_pixels: int)
                 f"{max_pixels} per request (--max-pixels-mp)", 413,
             )
         opened.append(image)
-    for i, image in enumerate(opened):
+    reduced = []
+    for i in range(len(opened)):
+        image, opened[i] = opened[i], None
         try:
             image.load()
+            reduced.append(preprocess_images([image], metadata.preprocessing))
         except (OSError, ValueError, SyntaxError) as err:
-            raise ProtocolError(f"images[{i}] is not a decodable PNG/JPEG image ({err})") from None
-    return preprocess_images(opened, metadata.preprocessing)
+            raise _image_error(i, err) from None
+        finally:
+            image.close()
+    return np.concatenate(reduced)
 
 
 def model_input(
