@@ -3,8 +3,8 @@
 Per batch x [B, C, H, W] on a prompt model (``eva0-edge export --prompts T``):
 
 1. K candidate prompts: ``popsize = K - 1`` samples of CMA-ES (the ``cma`` package) plus the
-   previous batch's best prompt (FOA's default K = 28: population 27 + 1); K = 2 has no room for
-   the previous best and evaluates a population of 2;
+   previous batch's best prompt (FOA's default K = 28: population 27 + 1; K >= 5, see
+   :data:`MIN_FORWARDS`);
 2. one ORT call over K*B rows (the patch embedding shared inside the graph);
 3. fitness of candidate j = sum_i entropy(o_ji) + lambda * B / 64 *
    (||std_j(h) - sigma_s||^2 + ||mean_j(h) - m_s||^2) over the model's alignment features (std
@@ -39,6 +39,11 @@ log = logging.getLogger(__name__)
 # shipped ViT's clean validation images it lost 10-13 points at batch 1 for every lambda_fit of
 # 0.1-6.4, and stayed within 1 point from batch 4 up (models/vit_fmnist.tune-foa.json).
 SMALL_BATCH = 4
+# A CMA-ES population of K - 1 plus the previous best told beside it: cma refuses a population
+# of 2 with its default mirrored sampling, and with a population of 3 the previous best (which
+# cma treats as an injected solution) drove the covariance's eigenvalues to NaN (cma asserts)
+# on a 576-dimension prompt (vit_tiny, 3 prompt tokens, calibrated on Fashion-MNIST).
+MIN_FORWARDS = 5
 
 
 @dataclass(frozen=True)
@@ -99,8 +104,13 @@ class FOAModel:
         self.config = FOAConfig().updated(
             {**FOA_METHODS[base], **metadata.tuned.get(base, {}), **fp, **(config or {})}
         )
-        if self.config.forwards < 2:
-            raise ValueError(f"{base}: #FP (forwards) must be >= 2, got {self.config.forwards}")
+        if self.config.forwards < MIN_FORWARDS:
+            raise ValueError(
+                f"{base}@{self.config.forwards}: CMA-ES needs at least {MIN_FORWARDS} candidates "
+                f"per batch (#FP >= {MIN_FORWARDS}): with fewer, cma refuses the population or "
+                "its covariance degenerates in the prompt's "
+                f"{metadata.num_params} dimensions"
+            )
         needs_source = self.config.lambda_fit > 0 or self.config.shift
         if needs_source and not metadata.has_source_stats:
             raise ValueError(
@@ -131,8 +141,8 @@ class FOAModel:
 
     @property
     def popsize(self) -> int:
-        """CMA-ES population per batch: K - 1 (K = 2: 2, without the previous best)."""
-        return max(self.config.forwards - 1, 2)
+        """CMA-ES population per batch: K - 1 (the previous best is the K-th candidate)."""
+        return self.config.forwards - 1
 
     def reset(self) -> None:
         """Back to the initial prompt, a fresh CMA-ES and no test-time statistics."""
@@ -204,8 +214,7 @@ class FOAModel:
                         "lost 10-13 points on clean images (shipped ViT, batch 1); form larger "
                         "batches (serve --max-delay-ms) or use eva0", self.method, SMALL_BATCH)
         candidates = [np.asarray(c, dtype=np.float64) for c in self.es.ask()]
-        if self.config.forwards > 2:
-            candidates.append(self.best_prompt)
+        candidates.append(self.best_prompt)
         rows = np.repeat(np.stack(candidates).astype(np.float32), batch, axis=0)
         logits, features, shifted = self.session.run_shifted(x, rows, self.head_shift())
         self.session.counter.samples += batch

@@ -121,7 +121,7 @@ def test_bad_forward_budgets_and_models_are_refused(prompt_vit, small_vit):
         FOAModel.load(small_vit.onnx_path, "foa", provider="cpu")
 
 
-@pytest.mark.parametrize(("method", "fp"), [("foa", 28), ("foa-dagger@6", 6), ("foa@2", 2)])
+@pytest.mark.parametrize(("method", "fp"), [("foa", 28), ("foa-dagger@6", 6), ("foa@5", 5)])
 def test_foa_honours_the_forward_budget(prompt_vit, method, fp):
     model = load_method(prompt_vit.onnx_path, method, provider="cpu")
     assert isinstance(model, FOAModel)
@@ -129,6 +129,41 @@ def test_foa_honours_the_forward_budget(prompt_vit, method, fp):
         logits = model.step(batch(3))
     assert logits.shape == (3, 10)
     assert model.stats()["forwards_per_sample"] == fp
+
+
+@pytest.fixture(scope="module")
+def wide_prompt_vit(tmp_path_factory) -> Path:
+    """A 576-dimension prompt (ViT width 192, 3 tokens, 2 blocks), calibrated on 64
+    Fashion-MNIST images: where a CMA-ES population of 3 broke (cma asserted on NaN
+    eigenvalues at foa@4)."""
+    from eva0_edge.bench.fashion_mnist import load_fashion_mnist
+    from eva0_edge.runtime.calibrate import calibrate_with_images
+    from tests.conftest import export_small
+
+    kwargs = {"img_size": 32, "patch_size": 4, "embed_dim": 192, "depth": 2, "num_heads": 3,
+              "num_classes": 10}
+    exported = export_small(tmp_path_factory.mktemp("wide"), "vit_tiny_patch16_224", kwargs,
+                            prompts=3)
+    calibrate_with_images(exported.onnx_path, load_fashion_mnist("test")[0][:64])
+    return exported.onnx_path
+
+
+@pytest.mark.parametrize("forwards", [5, 6, 8])
+def test_every_accepted_population_runs(wide_prompt_vit, forwards):
+    from eva0_edge.bench.fashion_mnist import load_fashion_mnist
+    from eva0_edge.runtime.preprocess import preprocess_uint8
+
+    model = FOAModel.load(wide_prompt_vit, f"foa@{forwards}", provider="cpu")
+    x = preprocess_uint8(load_fashion_mnist("test")[0][64:576], model.metadata.preprocessing)
+    for start in range(0, len(x), 64):
+        model.step(x[start : start + 64])
+    assert np.isfinite(model.best_fitness) and model.stats()["forwards_per_sample"] == forwards
+
+
+@pytest.mark.parametrize("method", ["foa@2", "foa@3", "foa-dagger@4"])
+def test_populations_cma_cannot_keep_are_refused_by_name(prompt_vit, method):
+    with pytest.raises(ValueError, match=f"{method}: CMA-ES needs at least 5 candidates"):
+        FOAModel.load(prompt_vit.onnx_path, method, provider="cpu")
 
 
 def test_cma_es_improves_the_fitness_on_a_fixed_batch():
@@ -204,7 +239,7 @@ def test_foa_reset_restores_the_initial_prompt(prompt_vit):
 
 
 def test_foa_warns_once_on_batches_too_small_for_its_statistics(prompt_vit, caplog):
-    model = FOAModel.load(prompt_vit.onnx_path, "foa@2", provider="cpu")
+    model = FOAModel.load(prompt_vit.onnx_path, "foa@5", provider="cpu")
     with caplog.at_level("WARNING", logger="eva0_edge.runtime.foa"):
         model.step(batch(8))
         assert not caplog.records

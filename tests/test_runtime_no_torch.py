@@ -67,7 +67,7 @@ def test_prompt_methods_run_without_torch(prompt_vit):
         import numpy as np
         from eva0_edge.runtime.methods import load_method
         x = np.zeros((2, 3, 32, 32), dtype=np.float32)
-        for name in ("foa", "foa-dagger@4", "eva0-clubs@4"):
+        for name in ("foa", "foa-dagger@5", "eva0-clubs@4"):
             model = load_method({str(prompt_vit.onnx_path)!r}, name, provider="cpu")
             assert model.step(x).shape == (2, 10)
         assert "torch" not in sys.modules

@@ -473,10 +473,10 @@ def test_slow_headers_get_408_and_their_connection_closed(server):
 
 
 def test_foa_is_served_with_its_state_refused(prompt_vit, tmp_path):
-    """`serve --method foa@4` on a prompt model: tritonclient inference, statistics, freeze;
+    """`serve --method foa@5` on a prompt model: tritonclient inference, statistics, freeze;
     its CMA-ES state is not persisted, so GET state answers 409."""
     name = prompt_vit.onnx_path.stem
-    server = ServerProcess(tmp_path / "foa.log", "--method", "foa@4", model=prompt_vit.onnx_path)
+    server = ServerProcess(tmp_path / "foa.log", "--method", "foa@5", model=prompt_vit.onnx_path)
     try:
         x = np.random.default_rng(0).uniform(-1, 1, (3, 3, 32, 32)).astype(np.float32)
         for _ in range(2):
@@ -485,7 +485,7 @@ def test_foa_is_served_with_its_state_refused(prompt_vit, tmp_path):
         status, body = http_call(server, "GET", f"/v2/models/{name}/adaptation/statistics")
         stats = json.loads(body)
         assert status == 200 and stats["method"] == "foa" and stats["steps"] == 2
-        assert stats["forwards_per_sample"] == 4
+        assert stats["forwards_per_sample"] == 5
         status, body = http_call(server, "GET", f"/v2/models/{name}/adaptation/state")
         assert status == 409 and "not persisted" in json.loads(body)["error"]
         status, body = http_call(server, "POST", f"/v2/models/{name}/adaptation/freeze",

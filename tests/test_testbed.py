@@ -169,7 +169,7 @@ def test_folder_dataset_tree(tmp_path):
         ("continual", 32, "eva0,zoa,sar"),
         ("imbalanced", 64, "eva0-dagger,deyo,spsa2-shared"),
         ("single", 1, "noadapt,eva0"),
-        ("single", 16, "noadapt,foa@4,foa-dagger@4,eva0-clubs@4"),
+        ("single", 16, "noadapt,foa@5,foa-dagger@5,eva0-clubs@4"),
     ],
 )
 def test_eval_end_to_end(tmp_path, protocol, batch_size, methods):
