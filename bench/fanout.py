@@ -16,8 +16,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import ray
-
 from eva0_edge.fleet.serve import init_ray
 from eva0_edge.runtime.modelfile import read_metadata
 
@@ -71,6 +69,8 @@ def evaluate_on_ray(
     split_overrides(spec.overrides)
     sizes = batch_sizes(spec)
     init_ray(address)
+    import ray
+
     names = [d.name for d in load_domains(spec)] if spec.protocol == "single" else [None]
     task = ray.remote(run_cell).options(num_cpus=cpus_per_cell)
     cells: dict[str, list[Any]] = {}

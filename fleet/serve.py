@@ -20,6 +20,7 @@ from .replica import EdgeReplica, ReplicaSpec
 from .state_actor import FleetConfig, FleetState
 
 log = logging.getLogger("eva0_edge.fleet")
+FLUSH_TIMEOUT_S = 5.0  # the fleet actor's snapshot at shutdown
 
 APP_NAME = "eva0-edge"
 NAMESPACE = "eva0-edge"
@@ -38,23 +39,49 @@ SERVE_ENV = {
 }
 
 
+# Ray's own switch for a single-machine instance (the default on macOS and Windows): the node's
+# address is the loopback one, and every Ray process (GCS, raylet, workers, agents) listens on
+# it. Ray authenticates with a token since 2.52, but anyone who reaches its ports on the network
+# still meets a code-execution service: a local instance stays on loopback.
+LOCAL_ONLY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Join the cluster at ``address`` or start a local instance (``num_cpus`` logical CPUs,
-    default: this machine's); no dashboard."""
+    """Join the cluster at ``address`` (one the user secured) or start a local instance on
+    loopback only (``num_cpus`` logical CPUs, default: this machine's); no dashboard. A local
+    instance whose node address is not a loopback one is shut down again (RuntimeError): Ray
+    reads the switch when it is first imported; where it was imported before, its constant is
+    set too."""
+    import ipaddress
+
+    if not address:
+        os.environ.update(LOCAL_ONLY_ENV)  # before ray is imported, and for its processes
     import ray
+
+    if not address:
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
 
     if ray.is_initialized():
         return
     for key, value in SERVE_ENV.items():  # the local instance's processes inherit them
         os.environ.setdefault(key, value)
-    runtime_env = {"env_vars": {k: os.environ[k] for k in SERVE_ENV}}
+    runtime_env: dict[str, Any] = {"env_vars": {k: os.environ[k] for k in SERVE_ENV}}
     if address:
         ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING,
                  runtime_env=runtime_env)
-    else:
-        ray.init(num_cpus=num_cpus or os.cpu_count(), namespace=NAMESPACE,
-                 include_dashboard=False, logging_level=logging.WARNING,
-                 runtime_env=runtime_env)
+        return
+    runtime_env["worker_process_setup_hook"] = "eva0_edge.fleet.loopback.keep_on_loopback"
+    ray.init(num_cpus=num_cpus or os.cpu_count(), namespace=NAMESPACE,
+             include_dashboard=False, logging_level=logging.WARNING, runtime_env=runtime_env)
+    node = ray.util.get_node_ip_address()
+    if not ipaddress.ip_address(node).is_loopback:
+        ray.shutdown()
+        raise RuntimeError(
+            f"the local Ray instance took the address {node}, not a loopback one; this Ray "
+            "version needs another way to stay on loopback"
+        )
 
 
 def fleet_actor(spec: ReplicaSpec, config: FleetConfig, probe: AdaptiveModel) -> Any:
@@ -122,24 +149,26 @@ def start_fleet(
 
     if replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
-    init_ray(ray_address, None if ray_address else max(os.cpu_count() or 1,
-                                                         int(replicas * replica_cpus) + 1))
-    application = fleet_application(spec, replicas, config, replica_cpus, probe)
-    serve.start(http_options={"host": host, "port": port})
-    log.info("fleet of %d replicas of %s on %s:%d", replicas, spec.options.name, host, port)
-    handle = serve.run(application, name=APP_NAME, route_prefix="/")
-    answering = wait_routable(host, port, spec.options.name, replicas)
-    log.info("%d of %d replicas answer through the ingress", answering, replicas)
-    if not blocking:
-        return handle
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)  # a stop during the start cleans up too
     try:
+        init_ray(ray_address, None if ray_address else max(os.cpu_count() or 1,
+                                                             int(replicas * replica_cpus) + 1))
+        signal.signal(signal.SIGTERM, _interrupt)  # ray.init installs its own
+        application = fleet_application(spec, replicas, config, replica_cpus, probe)
+        serve.start(http_options={"host": host, "port": port})
+        log.info("fleet of %d replicas of %s on %s:%d", replicas, spec.options.name, host, port)
+        handle = serve.run(application, name=APP_NAME, route_prefix="/")
+        answering = wait_routable(host, port, spec.options.name, replicas)
+        log.info("%d of %d replicas answer through the ingress", answering, replicas)
+        if not blocking:
+            return handle
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         log.info("stopping the fleet")
     finally:
-        shutdown()
+        if blocking:
+            shutdown(local=ray_address is None, model_name=spec.options.name)
     return None
 
 
@@ -171,11 +200,23 @@ def _interrupt(*_: Any) -> None:
     raise KeyboardInterrupt
 
 
-def shutdown() -> None:
-    """Stop the Serve application and the local Ray instance (tests, the CLI on exit)."""
+def shutdown(local: bool = True, model_name: str | None = None) -> None:
+    """Stop the fleet: the fleet state of ``model_name`` snapshotted first (at most
+    :data:`FLUSH_TIMEOUT_S`), then, on a user's cluster (``local`` False), the Serve
+    application; a local Ray instance goes down whole, its Serve processes with it (Serve's
+    own controller shutdown waited 30 s on a replica and gave up)."""
     import ray
     from ray import serve
 
-    if ray.is_initialized():
+    if not ray.is_initialized():
+        return
+    if model_name is not None:
+        try:
+            actor = ray.get_actor(f"fleet-{model_name}", namespace=NAMESPACE)
+            written = ray.get(actor.flush.remote(), timeout=FLUSH_TIMEOUT_S)
+            log.info("fleet state snapshotted (%d snapshots written)", written)
+        except (ValueError, ray.exceptions.RayError) as err:
+            log.error("fleet state not snapshotted at shutdown: %s", err)
+    if not local:
         serve.shutdown()
-        ray.shutdown()
+    ray.shutdown()

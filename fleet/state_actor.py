@@ -191,6 +191,11 @@ class FleetState:
             self.counters.snapshot_failures += 1
             log.error("fleet snapshot failed, will retry at the next merge: %s", err)
 
+    def flush(self) -> int:
+        """Write a snapshot of the fleet state now (at shutdown); the snapshots written so far."""
+        self._snapshot()
+        return self.counters.snapshots_written
+
     def statistics(self) -> dict[str, Any]:
         """The fleet's counters (JSON-serialisable)."""
         c = self.counters

@@ -127,3 +127,38 @@ class InProcessServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+
+def listening_sockets() -> set[tuple[str, int]]:
+    """Every TCP socket listening on this machine, as (address, port), from /proc/net."""
+    import ipaddress
+
+    found = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] != "0A":  # LISTEN
+                continue
+            hex_ip, hex_port = fields[1].split(":")
+            raw = bytes.fromhex(hex_ip)
+            # the kernel prints each 32-bit word in host (little-endian) order
+            packed = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            address = ipaddress.ip_address(packed) if width == 8 else ipaddress.IPv6Address(packed)
+            found.add((str(address), int(hex_port, 16)))
+    return found
+
+
+def beyond_loopback(sockets: set[tuple[str, int]]) -> set[tuple[str, int]]:
+    """The sockets of ``sockets`` reachable from another machine (not 127.0.0.0/8 or ::1)."""
+    import ipaddress
+
+    def local(address: str) -> bool:
+        ip = ipaddress.ip_address(address)
+        mapped = getattr(ip, "ipv4_mapped", None)
+        return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+    return {s for s in sockets if not local(s[0])}

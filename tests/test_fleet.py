@@ -21,9 +21,7 @@ from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.preprocess import preprocess_uint8
 from eva0_edge.runtime.state import decode_state
 
-from .serving import MODEL, NAME, ServerProcess
-
-pytest.importorskip("ray.serve")
+from .serving import MODEL, NAME, ServerProcess, beyond_loopback, listening_sockets
 
 TOKEN = "fleet-test-token"
 SYNC_S = 0.5
@@ -37,6 +35,7 @@ def pixels() -> np.ndarray:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fleet")
+    before = beyond_loopback(listening_sockets())
     server = ServerProcess(
         tmp / "fleet.log", "--replicas", "2", "--sync-every-s", str(SYNC_S),
         "--state-dir", str(tmp / "state"), "--admin-token", TOKEN, ready_timeout=300.0,
@@ -46,8 +45,13 @@ def fleet(tmp_path_factory):
     while "2 of 2 replicas answer" not in server.log() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert "2 of 2 replicas answer" in server.log(), server.log()[-3000:]
+    server.listening_before = before
     yield server
+    start = time.monotonic()
     assert server.stop(graceful_marker="stopping the fleet"), server.log()[-3000:]
+    print(f"fleet stopped {time.monotonic() - start:.1f} s after SIGTERM")
+    assert "fleet state snapshotted" in server.log(), server.log()[-3000:]
+    assert list((tmp / "state").glob("*.npz")), "no fleet snapshot written at shutdown"
 
 
 def get(server: ServerProcess, path: str, token: str | None = None, method: str = "GET",
@@ -95,6 +99,13 @@ def infer_each(server: ServerProcess, pixels: np.ndarray) -> list[np.ndarray | N
 
 def noadapt_predictions(pixels: np.ndarray) -> np.ndarray:
     return AdaptiveModel.load(MODEL, "noadapt", threads=1).predict(pixels).argmax(1)
+
+
+def test_the_local_ray_instance_listens_on_loopback_only(fleet):
+    """Ray (GCS, raylet, workers, agents), Serve's controller, HAProxy and the replicas: no
+    socket of the running fleet is reachable from another machine."""
+    opened = beyond_loopback(listening_sockets()) - fleet.listening_before
+    assert not opened, opened
 
 
 def test_two_replicas_answer_through_the_proxy(fleet, pixels):
