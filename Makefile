@@ -6,7 +6,7 @@ STAMP := $(VENV)/.eva0-edge-installed
 
 FMNIST := /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz
 
-.PHONY: blackbox setup data demo test test-fast lint tables sweep tune FORCE
+.PHONY: blackbox setup data demo test test-fast lint tables sweep hostile tune FORCE
 
 # A strict editable install: a link tree mirrors the import names (eva0_edge.runtime ->
 # runtime/, ...), so static tools (mypy, IDEs) resolve them too; the tree is rebuilt when the
@@ -79,6 +79,18 @@ sweep: setup data
 				--limit $(TABLE_LIMIT) --batch-sizes 1,4,16,64 --methods $(SWEEP_METHODS) \
 				--threads 1 --out out/sweep/$$m-$$p -q; \
 		done; done
+
+# Is the return to clean safe after what a deployed device meets? Each hostile stream (constant
+# frames, a stuck frame, and the sensor-fault sweep: Gaussian noise of std 0.1-0.5, blur, JPEG)
+# then clean images, one image per step, NoAdapt against EVA-0; one report per stream.
+HOSTILE_STREAMS := black repeat gauss-0.1 gauss-0.2 gauss-0.3 gauss-0.5 blur-1 blur-2 jpeg-20 jpeg-5
+HOSTILE_LIMIT ?= 500
+hostile: setup data
+	for m in vit_fmnist resnet_gn_fmnist; do for s in $(HOSTILE_STREAMS); do \
+		$(VENV)/bin/eva0-edge eval --model models/$$m.onnx --protocol continual \
+			--corruptions $$s,clean --batch-size 1 --limit $(HOSTILE_LIMIT) \
+			--methods noadapt,eva0 --threads 1 --out out/hostile/$$m-$$s -q; \
+	done; done
 
 # Tune every table method on the validation split, the same budget each (models/tune.py): the
 # runtime methods on eva0's eta grid (0.5..16 x the pre-tuning value), the torch baselines on

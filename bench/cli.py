@@ -108,7 +108,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "report (a row per method and batch size); overrides --batch-size")
     p.add_argument("--corruptions", help="comma-separated domains (default: all 15); 'clean' "
                    "is the uncorrupted images; hostile streams: black, white, repeat, noise, "
-                   "burst, alternate (e.g. --protocol continual --corruptions black,clean)")
+                   "burst, alternate, and sensor faults gauss-S (noise std S on [0, 1]), blur-R, "
+                   "jpeg-Q (e.g. --protocol continual --corruptions black,clean,gauss-0.3,clean)")
     p.add_argument("--split", default="test", choices=["test", "val"],
                    help="fmnist-c: test, or val (held-out train images, for tuning)")
     p.add_argument("--torch-checkpoint", help="torch weights for tent/sar/deyo on a non-shipped "

@@ -18,7 +18,7 @@ from eva0_edge.runtime.metadata import Preprocessing
 
 from .corruptions import CORRUPTIONS, corrupt_images
 from .fashion_mnist import load_fashion_mnist, train_val_indices
-from .hostile import HOSTILE, ORDERED, hostile_images
+from .hostile import HOSTILE, LEVELLED, ORDERED, hostile_images, is_hostile
 
 TEST_SEED = 2026  # corruption seed of the test domains
 CLEAN = "clean"  # the domain of uncorrupted images ("does adapting hurt clean data?")
@@ -79,20 +79,20 @@ def corrupted_fmnist(
     cached): the same pixels as in the full set, since each image is seeded by its index.
     ``split``: 'test', or 'val' (the 5000 held-out train images).
     """
-    if corruption not in (CLEAN, *HOSTILE, *CORRUPTIONS):
+    if corruption not in (CLEAN, *CORRUPTIONS) and not is_hostile(corruption):
         raise ValueError(
             f"unknown domain {corruption!r}; known: {CLEAN}, {', '.join(CORRUPTIONS)}, and the "
-            f"hostile streams {', '.join(HOSTILE)}"
+            f"hostile streams {', '.join(HOSTILE)} and {', '.join(f'{k}-LEVEL' for k in LEVELLED)}"
         )
     base_split = "train" if split == "val" else split
     images, labels = load_fashion_mnist(base_split)
     if split == "val":
         _, val_idx = train_val_indices(len(images))
         images, labels = images[val_idx], labels[val_idx]
-    if corruption in (CLEAN, *HOSTILE):
+    if corruption == CLEAN or is_hostile(corruption):
         if indices is not None:
             images, labels = images[indices], labels[indices]
-        if corruption in HOSTILE:
+        if is_hostile(corruption):
             return hostile_images(corruption, images, labels, seed)
         return images, labels
     path = cache_dir() / "fmnist-c" / f"{split}-seed{seed}" / f"{corruption}-{severity}.npy"

@@ -213,6 +213,40 @@ def test_eval_sweeps_batch_sizes_on_the_clean_domain(tmp_path):
                  "--limit", "4", "-q"]) == 2
 
 
+def test_the_sensor_fault_sweep_is_labelled_levelled_and_seeded():
+    """``gauss-S`` adds noise of std S (255 S on uint8, less where clipped), ``blur-R`` removes
+    detail, ``jpeg-Q`` is lossy; labels are the clean images'; a bad level is refused."""
+    from eva0_edge.bench.datasets import fmnist_c_domains
+    from eva0_edge.bench.datasets import TEST_SEED
+    from eva0_edge.bench.hostile import NOISE_SWEEP, hostile_images
+
+    indices = np.arange(64)
+    clean = fmnist_c_domains(5, "test", corruptions=["clean"], indices=indices,
+                             progress=False)[0]
+    domains = {d.name: d for d in fmnist_c_domains(5, "test", corruptions=NOISE_SWEEP,
+                                                   indices=indices, progress=False)}
+    for name, domain in domains.items():
+        assert (domain.labels == clean.labels).all() and not domain.ordered, name
+    residual = domains["gauss-0.1"].images.astype(float) - clean.images
+    mid_grey = (clean.images >= 80) & (clean.images <= 175)  # 3 std from clipping
+    assert 24.5 < residual[mid_grey].std() < 26.5  # 0.1 x 255 = 25.5
+    assert domains["gauss-0.5"].images.std() > domains["gauss-0.1"].images.std()
+
+    def detail(images: np.ndarray) -> float:
+        return float(np.abs(np.diff(images.astype(float), axis=1)).mean())
+
+    assert detail(domains["blur-2"].images) < detail(domains["blur-1"].images) < detail(
+        clean.images)
+    assert np.abs(domains["jpeg-5"].images.astype(float) - clean.images).mean() > np.abs(
+        domains["jpeg-20"].images.astype(float) - clean.images).mean() > 0
+    again, _ = hostile_images("gauss-0.3", clean.images, clean.labels, seed=TEST_SEED)
+    other, _ = hostile_images("gauss-0.3", clean.images, clean.labels, seed=TEST_SEED + 1)
+    assert (again == domains["gauss-0.3"].images).all() and (again != other).any()
+    for bad in ("gauss-x", "gauss-0", "jpeg-200", "jpeg-2.5"):
+        with pytest.raises(ValueError, match=bad):
+            hostile_images(bad, clean.images, clean.labels, seed=0)
+
+
 def test_hostile_streams_and_the_soak_protocol(tmp_path):
     """Hostile domains keep their order and leave unlabelled frames unscored; the soak runs the
     continual stream ten times without reset and reports every pass."""
