@@ -216,8 +216,7 @@ def test_eval_sweeps_batch_sizes_on_the_clean_domain(tmp_path):
 def test_the_sensor_fault_sweep_is_labelled_levelled_and_seeded():
     """``gauss-S`` adds noise of std S (255 S on uint8, less where clipped), ``blur-R`` removes
     detail, ``jpeg-Q`` is lossy; labels are the clean images'; a bad level is refused."""
-    from eva0_edge.bench.datasets import fmnist_c_domains
-    from eva0_edge.bench.datasets import TEST_SEED
+    from eva0_edge.bench.datasets import TEST_SEED, fmnist_c_domains
     from eva0_edge.bench.hostile import NOISE_SWEEP, hostile_images
 
     indices = np.arange(64)
