@@ -98,7 +98,8 @@ def _flatten(data: Any) -> list:
 
 
 def _decode_bytes_binary(raw: memoryview, count: int, name: str) -> list[bytes]:
-    items, offset = [], 0
+    items: list[bytes] = []
+    offset = 0
     while offset < len(raw):
         if offset + 4 > len(raw):
             raise ProtocolError(f"input {name!r}: truncated BYTES element length")
@@ -186,6 +187,7 @@ def _check_json_size(head: bytes | bytearray) -> None:
 def parse_infer_request(body: bytes | bytearray, header_length: str | None) -> InferRequest:
     """Parse an inference request body. Raises :class:`ProtocolError` naming the problem."""
     view = memoryview(body)
+    head: bytes | bytearray
     if header_length is not None:
         try:
             json_length = int(header_length)
@@ -229,7 +231,7 @@ def parse_infer_request(body: bytes | bytearray, header_length: str | None) -> I
         raise ProtocolError(f"{len(binary) - offset} bytes of binary data belong to no input")
     params = _parameters(request, "request")
     binary_output = bool(params.get("binary_data_output", False))
-    outputs = None
+    outputs: list[RequestedOutput] | None = None
     if request.get("outputs") is not None:
         if not isinstance(request["outputs"], list):
             raise ProtocolError("'outputs' must be a list")

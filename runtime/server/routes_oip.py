@@ -63,7 +63,7 @@ def oip_router(ctx: ServerContext) -> APIRouter:
         ctx.check_name(name, version)
         return Response(status_code=200 if ctx.ready.is_set() else 503)
 
-    def prepare(body: bytes, header_length: str | None):
+    def prepare(body: bytes | bytearray, header_length: str | None):
         request = parse_infer_request(body, header_length)
         plans = plan_outputs(request.outputs, request.binary_output, model.metadata.num_classes)
         x = model_input(request, model.metadata, options.max_batch, ctx.max_pixels)

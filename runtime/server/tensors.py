@@ -63,7 +63,8 @@ def _image_error(i: int, err: Exception) -> ProtocolError:
 def _decode_images(items: list[bytes], metadata: ModelMetadata, max_pixels: int) -> np.ndarray:
     """Open every image lazily (headers only) and check the pixel budget; then decode and
     reduce one image at a time, so the memory held is one decoded image, not the request's."""
-    opened, pixels = [], 0
+    opened: list[Image.Image | None] = []
+    pixels = 0
     for i, data in enumerate(items):
         try:
             with warnings.catch_warnings():
@@ -81,14 +82,15 @@ def _decode_images(items: list[bytes], metadata: ModelMetadata, max_pixels: int)
         opened.append(image)
     reduced = []
     for i in range(len(opened)):
-        image, opened[i] = opened[i], None
+        picture, opened[i] = opened[i], None  # dropped once reduced: one decoded image at a time
+        assert picture is not None
         try:
-            image.load()
-            reduced.append(preprocess_images([image], metadata.preprocessing))
+            picture.load()
+            reduced.append(preprocess_images([picture], metadata.preprocessing))
         except (OSError, ValueError, SyntaxError) as err:
             raise _image_error(i, err) from None
         finally:
-            image.close()
+            picture.close()
     return np.concatenate(reduced)
 
 
