@@ -3,8 +3,8 @@
 Per batch x [B, C, H, W] on a prompt model (``eva0-edge export --prompts T``):
 
 1. K candidate prompts: ``popsize = K - 1`` samples of CMA-ES (the ``cma`` package) plus the
-   previous batch's best prompt (FOA's default K = 28: population 27 + 1; K >= 5, see
-   :data:`MIN_FORWARDS`);
+   previous batch's best prompt (FOA's default K = 28: population 27 + 1); below
+   :data:`ELITIST_FORWARDS` (K = 2-4) a population of K without the previous best;
 2. one ORT call over K*B rows (the patch embedding shared inside the graph);
 3. fitness of candidate j = sum_i entropy(o_ji) + lambda * B / 64 *
    (||std_j(h) - sigma_s||^2 + ||mean_j(h) - m_s||^2) over the model's alignment features (std
@@ -39,11 +39,15 @@ log = logging.getLogger(__name__)
 # shipped ViT's clean validation images it lost 10-13 points at batch 1 for every lambda_fit of
 # 0.1-6.4, and stayed within 1 point from batch 4 up (models/vit_fmnist.tune-foa.json).
 SMALL_BATCH = 4
-# A CMA-ES population of K - 1 plus the previous best told beside it: cma refuses a population
-# of 2 with its default mirrored sampling, and with a population of 3 the previous best (which
-# cma treats as an injected solution) drove the covariance's eigenvalues to NaN (cma asserts)
-# on a 576-dimension prompt (vit_tiny, 3 prompt tokens, calibrated on Fashion-MNIST).
-MIN_FORWARDS = 5
+# The previous best told beside the population is, to cma, an injected solution: with a
+# population of 2 or 3 beside it (K = 3, 4) cma's covariance went to NaN eigenvalues (it
+# asserts) within 60 batches on a 576-dimension prompt. From this K on the previous best
+# competes; below, CMA-ES evaluates a population of K alone.
+ELITIST_FORWARDS = 5
+# Small populations also need cma's mirrored samples drawn without its injection mechanism
+# (mirror method 0): with the default a population of 2 raised "Found unused injected
+# direction/solutions" within a few batches.
+SMALL_POPULATION_OPTIONS = {"CMA_mirrormethod": 0}
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,8 @@ class FOAConfig:
     """FOA's hyper-parameters (the FOA paper's ViT-Base values; a model file's ``tuned`` values
     for the method override them, the caller's ``config`` overrides both).
 
-    forwards: K forward passes per sample (CMA-ES population K - 1 + previous best).
+    forwards: K forward passes per sample (CMA-ES population K - 1 + previous best; K < 5:
+    population K).
     lambda_fit: weight of the feature-statistics term of the fitness. shift: activation
     shifting on/off; shift_step: its step size; shift_alpha: EMA weight of the new batch in the
     test-time head-input mean. sigma0: CMA-ES initial step size (the search starts at 0).
@@ -104,13 +109,8 @@ class FOAModel:
         self.config = FOAConfig().updated(
             {**FOA_METHODS[base], **metadata.tuned.get(base, {}), **fp, **(config or {})}
         )
-        if self.config.forwards < MIN_FORWARDS:
-            raise ValueError(
-                f"{base}@{self.config.forwards}: CMA-ES needs at least {MIN_FORWARDS} candidates "
-                f"per batch (#FP >= {MIN_FORWARDS}): with fewer, cma refuses the population or "
-                "its covariance degenerates in the prompt's "
-                f"{metadata.num_params} dimensions"
-            )
+        if self.config.forwards < 2:
+            raise ValueError(f"{base}: #FP (forwards) must be >= 2, got {self.config.forwards}")
         needs_source = self.config.lambda_fit > 0 or self.config.shift
         if needs_source and not metadata.has_source_stats:
             raise ValueError(
@@ -140,9 +140,14 @@ class FOAModel:
         return self.name
 
     @property
+    def elitist(self) -> bool:
+        """Whether the previous best is the K-th candidate (K >= :data:`ELITIST_FORWARDS`)."""
+        return self.config.forwards >= ELITIST_FORWARDS
+
+    @property
     def popsize(self) -> int:
-        """CMA-ES population per batch: K - 1 (the previous best is the K-th candidate)."""
-        return self.config.forwards - 1
+        """CMA-ES population per batch: K - 1 beside the previous best, else K."""
+        return self.config.forwards - 1 if self.elitist else self.config.forwards
 
     def reset(self) -> None:
         """Back to the initial prompt, a fresh CMA-ES and no test-time statistics."""
@@ -155,7 +160,8 @@ class FOAModel:
         self.es = cma.CMAEvolutionStrategy(  # cma reads seed 0 as "random": offset by 1
             np.zeros(dim), self.config.sigma0,
             inopts={"seed": self.seed + 1, "popsize": self.popsize, "maxiter": np.inf,
-                    "verbose": -9, "randn": lambda *shape: rng.standard_normal(shape)},
+                    "verbose": -9, "randn": lambda *shape: rng.standard_normal(shape),
+                    **({} if self.elitist else SMALL_POPULATION_OPTIONS)},
         )
         self.best_prompt = self.metadata.theta0.astype(np.float64)
         self.best_fitness = float("nan")
@@ -214,7 +220,8 @@ class FOAModel:
                         "lost 10-13 points on clean images (shipped ViT, batch 1); form larger "
                         "batches (serve --max-delay-ms) or use eva0", self.method, SMALL_BATCH)
         candidates = [np.asarray(c, dtype=np.float64) for c in self.es.ask()]
-        candidates.append(self.best_prompt)
+        if self.elitist:
+            candidates.append(self.best_prompt)
         rows = np.repeat(np.stack(candidates).astype(np.float32), batch, axis=0)
         logits, features, shifted = self.session.run_shifted(x, rows, self.head_shift())
         self.session.counter.samples += batch

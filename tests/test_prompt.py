@@ -121,7 +121,7 @@ def test_bad_forward_budgets_and_models_are_refused(prompt_vit, small_vit):
         FOAModel.load(small_vit.onnx_path, "foa", provider="cpu")
 
 
-@pytest.mark.parametrize(("method", "fp"), [("foa", 28), ("foa-dagger@6", 6), ("foa@5", 5)])
+@pytest.mark.parametrize(("method", "fp"), [("foa", 28), ("foa-dagger@6", 6), ("foa@2", 2)])
 def test_foa_honours_the_forward_budget(prompt_vit, method, fp):
     model = load_method(prompt_vit.onnx_path, method, provider="cpu")
     assert isinstance(model, FOAModel)
@@ -134,8 +134,7 @@ def test_foa_honours_the_forward_budget(prompt_vit, method, fp):
 @pytest.fixture(scope="module")
 def wide_prompt_vit(tmp_path_factory) -> Path:
     """A 576-dimension prompt (ViT width 192, 3 tokens, 2 blocks), calibrated on 64
-    Fashion-MNIST images: where a CMA-ES population of 3 broke (cma asserted on NaN
-    eigenvalues at foa@4)."""
+    Fashion-MNIST images: where small CMA-ES populations broke."""
     from eva0_edge.bench.fashion_mnist import load_fashion_mnist
     from eva0_edge.runtime.calibrate import calibrate_with_images
     from tests.conftest import export_small
@@ -148,8 +147,10 @@ def wide_prompt_vit(tmp_path_factory) -> Path:
     return exported.onnx_path
 
 
-@pytest.mark.parametrize("forwards", [5, 6, 8])
-def test_every_accepted_population_runs(wide_prompt_vit, forwards):
+@pytest.mark.parametrize("forwards", [2, 3, 4, 5, 8])
+def test_every_population_keeps_searching(wide_prompt_vit, forwards):
+    """K = 2-4 broke inside cma within 8 batches of 64 (unused injected directions at 2, NaN
+    covariance eigenvalues at 3 and 4); every K runs."""
     from eva0_edge.bench.fashion_mnist import load_fashion_mnist
     from eva0_edge.runtime.preprocess import preprocess_uint8
 
@@ -158,12 +159,6 @@ def test_every_accepted_population_runs(wide_prompt_vit, forwards):
     for start in range(0, len(x), 64):
         model.step(x[start : start + 64])
     assert np.isfinite(model.best_fitness) and model.stats()["forwards_per_sample"] == forwards
-
-
-@pytest.mark.parametrize("method", ["foa@2", "foa@3", "foa-dagger@4"])
-def test_populations_cma_cannot_keep_are_refused_by_name(prompt_vit, method):
-    with pytest.raises(ValueError, match=f"{method}: CMA-ES needs at least 5 candidates"):
-        FOAModel.load(prompt_vit.onnx_path, method, provider="cpu")
 
 
 def test_cma_es_improves_the_fitness_on_a_fixed_batch():
