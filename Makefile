@@ -91,6 +91,7 @@ hostile: setup data
 			--corruptions $$s,clean --batch-size 1 --limit $(HOSTILE_LIMIT) \
 			--methods noadapt,eva0 --threads 1 --out out/hostile/$$m-$$s -q; \
 	done; done
+	$(PY) -m eva0_edge.bench.hostile_summary out/hostile
 
 # Tune every table method on the validation split, the same budget each (models/tune.py): the
 # runtime methods on eva0's eta grid (0.5..16 x the pre-tuning value), the torch baselines on

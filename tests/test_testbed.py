@@ -279,3 +279,28 @@ def test_hostile_streams_and_the_soak_protocol(tmp_path):
     assert list(result["accuracy"]) == keys
     assert result["accuracy"]["black@1"] is None or np.isnan(result["accuracy"]["black@1"])
     assert result["final_stats"]["samples"] == 160
+
+
+def test_the_hostile_summary_reads_every_stream_report(tmp_path, capsys):
+    """``make hostile``'s table: one row per ``<model>-<stream>`` report, the clean gap EVA-0
+    minus NoAdapt, unlabelled streams shown as '-'."""
+    from eva0_edge.bench.hostile_summary import main
+
+    def report(folder: str, stream: str, scores: dict[str, tuple[float, float]]) -> None:
+        results = {
+            method: {"accuracy": {stream: on_stream, "clean": on_clean},
+                     "final_stats": {"guard": {"trips": 1, "audits": 2}}}
+            for method, (on_stream, on_clean) in scores.items()
+        }
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "results.json").write_text(json.dumps({
+            "spec": {"model": "models/m.onnx", "limit": 500, "batch_size": 1},
+            "results": results}))
+
+    report("m-gauss-0.3", "gauss-0.3", {"noadapt": (19.0, 91.4), "eva0": (44.4, 89.2)})
+    report("m-black", "black", {"noadapt": (float("nan"), 91.4), "eva0": (float("nan"), 91.4)})
+    assert main([str(tmp_path)]) == 0
+    rows = {r["stream"]: r for r in json.loads((tmp_path / "hostile.json").read_text())}
+    assert rows["gauss-0.3"]["clean_gap"] == -2.2 and rows["gauss-0.3"]["eva0_stream"] == 44.4
+    assert rows["black"]["noadapt_stream"] is None and rows["black"]["clean_gap"] == 0.0
+    assert "| m | black | - | - | 91.4 | 91.4 | 0.0 | 1 | 2 |" in capsys.readouterr().out

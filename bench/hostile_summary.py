@@ -1,0 +1,77 @@
+"""The hostile protocol's table (``make hostile``): for each model and hostile stream, the
+accuracy on the stream and on the clean images after it, NoAdapt against EVA-0, from the
+per-stream reports ``<reports>/<model>-<stream>/results.json``.
+
+    python -m eva0_edge.bench.hostile_summary out/hostile
+
+Prints a Markdown table and writes ``<reports>/hostile.md`` and ``hostile.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from .datasets import CLEAN
+
+
+def summarise(reports: Path) -> list[dict[str, Any]]:
+    """One row per report folder: model, stream, NoAdapt and EVA-0 on the stream and on clean
+    (%, None for an unlabelled stream), the clean gap and EVA-0's guard trips."""
+    rows = []
+    for path in sorted(reports.glob("*/results.json")):
+        report = json.loads(path.read_text())
+        config, results = report["spec"], report["results"]
+        stream = next(d for d in results["noadapt"]["accuracy"] if d != CLEAN)
+
+        def score(method: str, domain: str, results: dict = results) -> float | None:
+            value = results[method]["accuracy"][domain]
+            return None if value is None or math.isnan(value) else round(value, 1)
+
+        guard = (results["eva0"].get("final_stats") or {}).get("guard") or {}
+        rows.append({
+            "model": Path(config["model"]).stem, "stream": stream,
+            "noadapt_stream": score("noadapt", stream), "eva0_stream": score("eva0", stream),
+            "noadapt_clean": score("noadapt", CLEAN), "eva0_clean": score("eva0", CLEAN),
+            "clean_gap": round(results["eva0"]["accuracy"][CLEAN]
+                               - results["noadapt"]["accuracy"][CLEAN], 1),
+            "trips": guard.get("trips"), "audits": guard.get("audits"),
+            "images_per_domain": config.get("limit"), "batch_size": config.get("batch_size"),
+        })
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    def cell(value: Any) -> str:
+        return "-" if value is None else str(value)
+
+    lines = ["| model | stream | NoAdapt stream | EVA-0 stream | NoAdapt clean after | "
+             "EVA-0 clean after | gap | trips | audits |", "|---" * 9 + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(cell(r[k]) for k in (
+            "model", "stream", "noadapt_stream", "eva0_stream", "noadapt_clean", "eva0_clean",
+            "clean_gap", "trips", "audits")) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("reports", help="the folder of per-stream reports (make hostile: "
+                        "out/hostile)")
+    args = parser.parse_args(argv)
+    reports = Path(args.reports)
+    rows = summarise(reports)
+    if not rows:
+        parser.error(f"no <model>-<stream>/results.json under {reports}")
+    table = markdown(rows)
+    print(table)
+    (reports / "hostile.md").write_text(table + "\n")
+    (reports / "hostile.json").write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
