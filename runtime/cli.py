@@ -126,6 +126,8 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
     from .methods import load_method
     from .predictions import PredictionWriter
 
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     model = load_method(
         args.model, args.method, parse_key_values(args.set or []), args.seed, args.provider,
         low_memory=args.low_memory, io_binding=args.io_binding, **split_options(args),

@@ -9,7 +9,10 @@ from __future__ import annotations
 import ast
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from numbers import Integral, Real
+from typing import Any, get_args, get_type_hints
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -107,13 +110,31 @@ class AdaptConfig:
         return asdict(self)
 
 
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether ``value`` is of the annotated type ``hint`` (bool, int, float, each optionally
+    ``| None``; an int is a float, a bool is neither); other annotations are not checked."""
+    allowed = get_args(hint) or (hint,)
+    if not set(allowed) <= {bool, int, float, type(None)}:
+        return True
+    if value is None or isinstance(value, (bool, np.bool_)):
+        return (bool if value is not None else type(None)) in allowed
+    return (isinstance(value, Integral) and (int in allowed or float in allowed)) or (
+        isinstance(value, Real) and float in allowed
+    )
+
+
 def replaced(config: Any, values: dict[str, Any]) -> Any:
     """A copy of the frozen dataclass ``config`` with ``values`` applied; ValueError naming any
-    key it does not have."""
+    key it does not have, or a value not of the key's type (``--set eta=abc``)."""
     known = {f.name for f in fields(config)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"unknown hyper-parameter(s) {unknown}; known: {sorted(known)}")
+    hints = get_type_hints(type(config))
+    for key, value in values.items():
+        if not _fits(value, hints[key]):
+            kind = getattr(hints[key], "__name__", str(hints[key]))
+            raise ValueError(f"hyper-parameter {key} must be {kind}, got {value!r:.40}")
     return replace(config, **values)
 
 

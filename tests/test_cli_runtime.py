@@ -90,6 +90,9 @@ def test_adapt_npz_with_labels_to_csv(calibrated_vit, tmp_path, capsys):
         (["--input", "missing.npz"], "not found"),
         (["--output", "p.txt"], ".jsonl or .csv"),
         (["--set", "bogus=1"], "unknown hyper-parameter"),
+        (["--set", "eta=abc"], "hyper-parameter eta must be float, got 'abc'"),
+        (["--set", "guard=1"], "hyper-parameter guard must be bool"),
+        (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     ],
 )
 def test_adapt_bad_arguments_exit_2(calibrated_vit, tmp_path, capsys, args, message):
@@ -100,6 +103,7 @@ def test_adapt_bad_arguments_exit_2(calibrated_vit, tmp_path, capsys, args, mess
     argv = ["adapt", *[v for kv in base.items() for v in kv], "-q"]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.npy"]  # no output, no .partial
 
 
 def test_adapt_runs_without_torch(calibrated_vit, image_folder, tmp_path):
