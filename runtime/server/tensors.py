@@ -63,8 +63,7 @@ def _image_error(i: int, err: Exception) -> ProtocolError:
 def _decode_images(items: list[bytes], metadata: ModelMetadata, max_pixels: int) -> np.ndarray:
     """Open every image lazily (headers only) and check the pixel budget; then decode and
     reduce one image at a time, so the memory held is one decoded image, not the request's."""
-    opened: list[Image.Image | None] = []
-    pixels = 0
+    opened, pixels = [], 0
     for i, data in enumerate(items):
         try:
             with warnings.catch_warnings():
@@ -81,16 +80,14 @@ def _decode_images(items: list[bytes], metadata: ModelMetadata, max_pixels: int)
             )
         opened.append(image)
     reduced = []
-    for i in range(len(opened)):
-        picture, opened[i] = opened[i], None  # dropped once reduced: one decoded image at a time
-        assert picture is not None
+    for i, picture in enumerate(opened):
         try:
             picture.load()
             reduced.append(preprocess_images([picture], metadata.preprocessing))
         except (OSError, ValueError, SyntaxError) as err:
             raise _image_error(i, err) from None
         finally:
-            picture.close()
+            picture.close()  # frees its pixels: one decoded image held at a time
     return np.concatenate(reduced)
 
 
