@@ -52,7 +52,10 @@ class AdaptConfig:
     ``guard_pause`` samples; every ``guard_audit`` adapted samples (None = never) an audit of
     ``guard_warmup`` samples duels the current theta against theta0, which wins when the
     current theta's feature distance to the source is over ``guard_audit_margin`` times its
-    own.
+    own; a change of stream (seen in the input images, :mod:`inputwatch`, or by the
+    activation shift) starts such an audit at once when ``guard_change_audit``, serving theta0,
+    and there the current theta must be within ``guard_change_margin`` times theta0's distance
+    (1: at least as close to the source on the new stream).
 
     Activation shift (:mod:`shift`, FOA's, at no forward): the served logits are the head
     applied to its input moved by ``activation_shift`` x (source mean - test mean) of the head
@@ -89,6 +92,8 @@ class AdaptConfig:
     guard_pause: int = 256
     guard_audit: int | None = None
     guard_audit_margin: float = 2.0
+    guard_change_audit: bool = True
+    guard_change_margin: float = 1.0
     guard_entropy_min: float | None = 0.02
     guard_entropy_max: float | None = 0.98
     guard_spread_min: float | None = 0.05

@@ -37,6 +37,7 @@ from .config import AdaptConfig
 from .estimator import GradientEstimate, Objective, ZerothOrderEstimator
 from .guard import GuardBounds, HealthGuard, alignment_distance
 from .head import HeadError
+from .inputwatch import InputChangeDetector
 from .metadata import ModelMetadata
 from .monitoring import Health, StepStats
 from .perturbation import AnchorShare
@@ -204,6 +205,7 @@ class AdaptiveModel:
         self.state = AdaptState.initial(md.theta0, md.num_classes, md.num_features, self.seed)
         self._share = AnchorShare(self.config.anchor_per_64)
         self.guard = self._new_guard()
+        self.inputs = InputChangeDetector()
         self.last = StepStats()
 
     def _new_guard(self) -> HealthGuard | None:
@@ -214,7 +216,7 @@ class AdaptiveModel:
             name: getattr(cfg, f"guard_{name}") for name in GuardBounds.__dataclass_fields__
         })
         return HealthGuard(bounds, cfg.guard_window, cfg.guard_warmup, cfg.guard_checkpoint,
-                           self._source_stats, cfg.guard_audit_margin)
+                           self._source_stats, cfg.guard_audit_margin, cfg.guard_change_margin)
 
     def freeze(self, frozen: bool = True) -> None:
         """Predict with the current theta and stop adapting (``frozen``), or resume."""
@@ -378,13 +380,14 @@ class AdaptiveModel:
             self.state.pause_left = max(0, self.state.pause_left - logits.shape[0])
             return logits
         x = self.session.check_input(x)
+        inputs_changed = self._inputs_changed(x)
         n_anchor = self._share.take(x.shape[0]) if self.config.sample_wise else 0
         est = self.estimator.estimate(
             x, self.state, self.seed, self.state.step, n_anchor, control=True
         )
         changes = self.shift.changes if self.shift is not None else 0
         served = self._serve(est.prediction, est.h_mean)
-        stream_changed = self.shift is not None and self.shift.changes > changes
+        stream_changed = inputs_changed or (self.shift is not None and self.shift.changes > changes)
         self.last.anchor_rows = n_anchor
         self.state.step += 1
         if not (np.isfinite(est.coef).all() and np.isfinite(est.grad).all()):
@@ -393,13 +396,26 @@ class AdaptiveModel:
             return self._skip(served, "non-finite theta")
         if self.guard is not None:
             self._watch(self.guard, est.prediction)
-            # a new stream (the shift's change detector): is what was learnt still better
-            # than theta0 on it? (frost-adapted ViT on clean images: 63% of the first 100)
-            now = stream_changed and not np.array_equal(self.state.theta, self.metadata.theta0)
+            # a new stream (seen in the images or by the shift's change detector): is what was
+            # learnt still better than theta0 on it? (frost-adapted ViT on clean images: 63%
+            # of the first 100)
+            now = stream_changed and self.config.guard_change_audit and \
+                not np.array_equal(self.state.theta, self.metadata.theta0)
             if self.state.pause_left == 0 and self.guard.start_audit(self.config.guard_audit,
                                                                      now):
                 self.state.pause_left = self.guard.warmup
         return served
+
+    def _inputs_changed(self, x: np.ndarray) -> bool:
+        """Feed the input change detector (with the guard on) the images x [B, C, H, W]; on a
+        change the activation shift's window restarts too (it holds the old stream's head
+        inputs: the ViT's, after Gaussian noise, moved clean images by the noise's offset
+        for a window's length)."""
+        if self.guard is None or not self.inputs.observe(x):
+            return False
+        if self.shift is not None:
+            self.shift.restart(self.state)
+        return True
 
     def _watch(self, guard: HealthGuard, prediction: np.ndarray) -> None:
         """Feed the health guard; checkpoint when healthy, roll back when it trips."""
@@ -424,16 +440,17 @@ class AdaptiveModel:
         forward per sample when the candidate is theta0), theta0's logits [B, K] served; at
         the end of the pause, the guard's verdict picks where adaptation resumes."""
         x = self.session.check_input(x)
+        inputs_changed = self._inputs_changed(x)
         st, batch = self.state, x.shape[0]
         theta0 = self.metadata.theta0.astype(np.float32)
         dueled = not np.array_equal(st.theta, theta0)
         sides = np.stack([st.theta, theta0]) if dueled else st.theta[None]
         logits, features = self.session.run(x, np.repeat(sides, batch, axis=0))
         self.session.counter.samples += batch
-        rows = slice(batch, None) if dueled and not guard.auditing else slice(0, batch)
+        rows = slice(0, batch) if guard.serving_candidate or not dueled else slice(batch, None)
         changes = self.shift.changes if self.shift is not None else 0
         served = self._serve(logits[rows], features[rows])
-        if self.shift is not None and self.shift.changes > changes:
+        if inputs_changed or (self.shift is not None and self.shift.changes > changes):
             # the verdict is about the stream that follows: judge it on that stream alone
             guard.restart_windows()
             st.pause_left = max(st.pause_left, guard.warmup + batch)
@@ -446,6 +463,7 @@ class AdaptiveModel:
     def _end_pause(self, guard: HealthGuard, dueled: bool) -> None:
         st, cfg = self.state, self.config
         what = "audit" if guard.auditing else "pause"
+        margin = guard.duel_margin
         held = guard.holding
         verdict = guard.pause_verdict(dueled, min(guard.warmup, cfg.guard_pause))
         if held and verdict != "hold" and self.shift is not None:
@@ -471,7 +489,7 @@ class AdaptiveModel:
                 "health guard: after the %s at step %d (alignment %s vs theta0's %s), %s",
                 what, st.step, *(f"{d:.4g}" if d is not None else "-" for d in guard.last_duel), {
             "checkpoint": "adaptation goes on from the duelled theta (in bounds, and not "
-                          f"over {cfg.guard_audit_margin}x theta0's distance to the source)",
+                          f"over {margin}x theta0's distance to the source)",
             "theta0": "adaptation resumes from theta0",
             "hold": f"theta0's own signals are out of bounds (the stream is to blame): {hold} for "
                     f"{cfg.guard_pause} more samples",

@@ -1,0 +1,62 @@
+"""The input change detector on real Fashion-MNIST streams: silent on clean images, quick on a
+return to clean after the sensor faults of the hostile sweep, the same at batch 1 and 64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eva0_edge.bench.datasets import corrupted_fmnist
+from eva0_edge.runtime.inputwatch import RECENT_SAMPLES, InputChangeDetector, describe
+from eva0_edge.runtime.modelfile import read_metadata
+from eva0_edge.runtime.preprocess import preprocess_uint8
+from tests.test_testbed import SHIPPED
+
+PRE = read_metadata(SHIPPED[0]).preprocessing
+
+
+def _images(name: str, start: int, stop: int) -> np.ndarray:
+    images, _ = corrupted_fmnist("test", name, 1, 0, indices=np.arange(start, stop))
+    return preprocess_uint8(images, PRE)
+
+
+def _changes_at(x: np.ndarray, batch: int) -> list[int]:
+    """The sample index after which each change was called, ``x`` fed ``batch`` at a time."""
+    detector = InputChangeDetector()
+    return [i + len(x[i:i + batch]) for i in range(0, len(x), batch)
+            if detector.observe(x[i:i + batch])]
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_clean_images_call_no_change(batch):
+    assert _changes_at(_images("clean", 0, 3000), batch) == []
+
+
+@pytest.mark.parametrize("fault", ["gauss-0.2", "gauss-0.5", "blur-1", "blur-2", "jpeg-5"])
+@pytest.mark.parametrize("batch", [1, 64])
+def test_a_return_to_clean_after_a_sensor_fault_is_seen_at_once(fault, batch):
+    """500 faulty images, then 500 clean ones: one change, within the first 64 clean images
+    (at batch 64: the first batch all clean, after the one that straddles the return)."""
+    x = np.concatenate([_images(fault, 0, 500), _images("clean", 500, 1000)])
+    changes = _changes_at(x, batch)
+    assert len(changes) == 1
+    assert 500 < changes[0] <= 500 + max(64, 2 * batch)
+
+
+def test_descriptors_see_noise_contrast_and_blur_apart():
+    """Noise raises the roughness, blur lowers it, a contrast change moves only the variance."""
+    clean = _images("clean", 0, 256)
+    rough = describe(_images("gauss-0.3", 0, 256)).mean(0) - describe(clean).mean(0)
+    smooth = describe(_images("blur-2", 0, 256)).mean(0) - describe(clean).mean(0)
+    faded = describe(clean * 0.5).mean(0) - describe(clean).mean(0)
+    assert rough[2] > 0.5 and smooth[2] < -0.5
+    assert faded[1] == pytest.approx(np.log(0.25), abs=1e-3) and abs(faded[2]) < 1e-3
+
+
+def test_the_windows_restart_after_a_change():
+    detector = InputChangeDetector()
+    black = np.zeros((RECENT_SAMPLES * 2, *PRE.input_size), np.float32)
+    for i in range(len(black)):
+        detector.observe(black[i:i + 1])
+    assert detector.observe(_images("clean", 0, 64)) and detector.changes == 1
+    assert detector.long_weight == 0.0 and detector.recent_weight == 0.0
