@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from eva0_edge.runtime.cli import add_runtime_options, missing_extra, split_names
-from eva0_edge.runtime.config import parse_key_values
+from eva0_edge.runtime.cli import (
+    add_runtime_options,
+    method_overrides,
+    missing_extra,
+    split_names,
+)
 
 
 def _cmd_eval(args: argparse.Namespace) -> None:
@@ -26,7 +30,7 @@ def _cmd_eval(args: argparse.Namespace) -> None:
         seed=args.seed,
         limit=args.limit,
         split=args.split,
-        overrides=parse_key_values(args.set or []),
+        overrides=method_overrides(args),
         torch_checkpoint=args.torch_checkpoint,
         provider=args.provider,
         io_binding=args.io_binding,

@@ -51,13 +51,14 @@ def plot_stream(results: dict, title: str, path: Path) -> None:
 
 def table_rows(results: dict[str, StreamResult]) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the paper's table: method, batch size, each domain's accuracy,
-    average, and the final drift ||theta - theta0|| of the runtime methods."""
+    average, the forwards per sample the run measured (every forward counts) and the final
+    drift ||theta - theta0|| of the runtime methods."""
     domains = list(next(iter(results.values())).accuracy)
-    header = ["method", "B", *domains, "avg", "drift", "trips"]
+    header = ["method", "B", *domains, "avg", "fwd/sample", "drift", "trips"]
     rows = [
         [
             name.split(" B=")[0], str(r.batch), *(_percent(r.accuracy[d]) for d in domains),
-            _percent(r.average), _drift(r), _trips(r),
+            _percent(r.average), _forwards(r), _drift(r), _trips(r),
         ]
         for name, r in results.items()
     ]
@@ -66,6 +67,11 @@ def table_rows(results: dict[str, StreamResult]) -> tuple[list[str], list[list[s
 
 def _percent(value: float) -> str:
     return f"{value:.1f}" if np.isfinite(value) else "-"
+
+
+def _forwards(result: StreamResult) -> str:
+    fps = result.forwards_per_sample
+    return "" if fps is None else f"{fps:.2f}"
 
 
 def _drift(result: StreamResult) -> str:

@@ -36,6 +36,19 @@ def missing_extra(command: str, extra: str, err: ImportError) -> SystemExit:
     )
 
 
+BUDGET_HELP = ("average forwards per sample adaptation may spend, 1 (the activation shift "
+               "alone) to the method's own (default: adapt on every batch); spent densely "
+               "after a change of stream")
+
+
+def method_overrides(args: argparse.Namespace) -> dict:
+    """The hyper-parameter overrides of ``--set`` and ``--budget``."""
+    overrides = parse_key_values(args.set or [])
+    if getattr(args, "budget", None) is not None:
+        overrides["budget"] = args.budget
+    return overrides
+
+
 def split_names(text: str) -> list[str]:
     """``"a, b,,c"`` -> ``["a", "b", "c"]``."""
     return [part.strip() for part in text.split(",") if part.strip()]
@@ -49,6 +62,7 @@ def add_runtime_options(p: argparse.ArgumentParser, *, method: bool = True) -> N
             "--set", action="append", metavar="KEY=VALUE",
             help="hyper-parameter override, repeatable: --set eta=0.001 --set lambda_swa=0",
         )
+        p.add_argument("--budget", type=float, metavar="F", help=BUDGET_HELP)
     p.add_argument("--batch-size", type=int, default=64, help="default 64")
     p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"])
     if method:
@@ -129,7 +143,7 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     model = load_method(
-        args.model, args.method, parse_key_values(args.set or []), args.seed, args.provider,
+        args.model, args.method, method_overrides(args), args.seed, args.provider,
         low_memory=args.low_memory, io_binding=args.io_binding, **split_options(args),
     )
     if isinstance(model, FOAModel):
@@ -177,7 +191,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     from .server import ServeOptions, run_server
 
     model = load_method(
-        args.model, args.method, parse_key_values(args.set or []), args.seed, args.provider,
+        args.model, args.method, method_overrides(args), args.seed, args.provider,
         args.threads, args.low_memory, args.io_binding, **split_options(args),
     )
     options = ServeOptions(
@@ -227,7 +241,7 @@ def _serve_fleet(args: argparse.Namespace, model: RuntimeModel, options: ServeOp
         ) from err
     logging.getLogger("eva0_edge").setLevel(level.upper())
     load = dict(
-        path=args.model, name=args.method, config=parse_key_values(args.set or []),
+        path=args.model, name=args.method, config=method_overrides(args),
         provider=args.provider, threads=args.threads, low_memory=args.low_memory,
         io_binding=args.io_binding, **split_options(args),
     )
@@ -314,6 +328,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="perturbation seed (default 0)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="hyper-parameter override, repeatable")
+    p.add_argument("--budget", type=float, metavar="F", help=BUDGET_HELP)
     p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--replicas", type=int, help="serve N replicas on Ray Serve with merged "
                    "adaptation (the [fleet] extra); --state-dir then holds the fleet's snapshots")

@@ -57,6 +57,11 @@ class AdaptConfig:
     and there the current theta must be within ``guard_change_margin`` times theta0's distance
     (1: at least as close to the source on the new stream).
 
+    Compute budget (:mod:`budget`): ``budget`` forwards per sample on average (1 <= budget
+    <= forwards; None = the method's own: adapt on every batch); a batch not adapted on is
+    served at the current theta with one forward, the spending dense after a change of
+    stream and sparse once the stream is learnt.
+
     Activation shift (:mod:`shift`, FOA's, at no forward): the served logits are the head
     applied to its input moved by ``activation_shift`` x (source mean - test mean) of the head
     input (0 = off; FOA: 1), the test mean a window of the last ``shift_window`` samples (FOA's
@@ -101,6 +106,7 @@ class AdaptConfig:
     guard_logit_norm_max: float | None = None
     guard_drift_max: float | None = None
     guard_alignment_max: float | None = None
+    budget: float | None = None
     activation_shift: float = 0.0
     shift_window: float = 1216.0
     shift_max: float | None = None

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from .budget import ComputeBudget
 from .config import AdaptConfig
 from .estimator import GradientEstimate, Objective, ZerothOrderEstimator
 from .guard import GuardBounds, HealthGuard, alignment_distance
@@ -196,6 +197,9 @@ class AdaptiveModel:
                 f"{self.method}: #FP (forwards) must be an even number >= 2 "
                 f"(exactly 2 for one-sided methods), got {fp}"
             )
+        if config.budget is not None and not 1 <= config.budget <= fp:
+            raise ValueError(f"{self.method}: budget must be between 1 and the method's {fp} "
+                             f"forwards per sample (None: {fp}), got {config.budget}")
         return config
 
     # ----------------------------------------------------------------- state
@@ -206,6 +210,7 @@ class AdaptiveModel:
         self._share = AnchorShare(self.config.anchor_per_64)
         self.guard = self._new_guard()
         self.inputs = InputChangeDetector()
+        self.budget = self._new_budget()
         self.last = StepStats()
 
     def _new_guard(self) -> HealthGuard | None:
@@ -218,13 +223,20 @@ class AdaptiveModel:
         return HealthGuard(bounds, cfg.guard_window, cfg.guard_warmup, cfg.guard_checkpoint,
                            self._source_stats, cfg.guard_audit_margin, cfg.guard_change_margin)
 
+    def _new_budget(self) -> ComputeBudget | None:
+        """The compute budget, or None when the method adapts on every batch."""
+        cfg = self.config
+        if not self.spec.adapts or cfg.budget is None or cfg.budget >= cfg.forwards:
+            return None
+        return ComputeBudget(cfg.budget, cfg.forwards)
+
     def freeze(self, frozen: bool = True) -> None:
         """Predict with the current theta and stop adapting (``frozen``), or resume."""
         self.state.frozen = bool(frozen)
 
     def state_dict(self) -> dict[str, Any]:
         """A deep copy of the state (arrays and scalars)."""
-        self.state.anchor_credit = self._share.credit
+        self._sync_state()
         return self.state.to_dict()
 
     def load_state_dict(self, values: dict[str, Any]) -> None:
@@ -260,11 +272,20 @@ class AdaptiveModel:
         self._share = AnchorShare(self.config.anchor_per_64)
         self._share.credit = state.anchor_credit
         self.guard = self._new_guard()  # the signal windows warm up again
+        self.budget = self._new_budget()
+        if self.budget is not None:
+            self.budget.fill = state.budget_fill
 
     def state_bytes(self) -> bytes:
         """The state as checksummed npz bytes (see :mod:`state`)."""
-        self.state.anchor_credit = self._share.credit
+        self._sync_state()
         return encode_state(self.state, self.fingerprint, {"method": self.method})
+
+    def _sync_state(self) -> None:
+        """Copy the running counters that live outside the state into it."""
+        self.state.anchor_credit = self._share.credit
+        if self.budget is not None:
+            self.state.budget_fill = self.budget.fill
 
     def parse_state_bytes(self, data: bytes) -> AdaptState:
         """Decode and validate state bytes for this model (sizes from the archive headers
@@ -320,6 +341,12 @@ class AdaptiveModel:
                 "restarts": self.shift.restarts,
                 "stream_changes": self.shift.changes,
                 "logit_offset_norm": float(np.linalg.norm(self._logit_offset())),
+            },
+            "budget": None if self.budget is None else {
+                "forwards_per_sample": self.budget.budget,
+                "fill": self.budget.fill,
+                "adapted_samples": self.budget.adapted_samples,
+                "served_samples": self.budget.served_samples,
             },
             "guard": None if self.guard is None else {
                 "trips": self.state.guard_trips,
@@ -381,6 +408,8 @@ class AdaptiveModel:
             return logits
         x = self.session.check_input(x)
         inputs_changed = self._inputs_changed(x)
+        if self.budget is not None and not self.budget.adapt(x.shape[0]):
+            return self._serve_only(x, inputs_changed)
         n_anchor = self._share.take(x.shape[0]) if self.config.sample_wise else 0
         est = self.estimator.estimate(
             x, self.state, self.seed, self.state.step, n_anchor, control=True
@@ -396,22 +425,40 @@ class AdaptiveModel:
             return self._skip(served, "non-finite theta")
         if self.guard is not None:
             self._watch(self.guard, est.prediction)
-            # a new stream (seen in the images or by the shift's change detector): is what was
-            # learnt still better than theta0 on it? (frost-adapted ViT on clean images: 63%
-            # of the first 100)
-            now = stream_changed and self.config.guard_change_audit and \
-                not np.array_equal(self.state.theta, self.metadata.theta0)
-            if self.state.pause_left == 0 and self.guard.start_audit(self.config.guard_audit,
-                                                                     now):
-                self.state.pause_left = self.guard.warmup
+        self._after_change(stream_changed)
         return served
+
+    def _serve_only(self, x: np.ndarray, inputs_changed: bool) -> np.ndarray:
+        """A batch the budget does not adapt on: one forward at the current theta, served
+        (the activation shift learns from it)."""
+        logits, features = self._forward(x)
+        changes = self.shift.changes if self.shift is not None else 0
+        served = self._serve(logits, features)
+        self._after_change(inputs_changed or (
+            self.shift is not None and self.shift.changes > changes))
+        return served
+
+    def _after_change(self, stream_changed: bool) -> None:
+        """After a batch: on a new stream (seen in the images or by the shift's change
+        detector) the budget spends densely, and an audit asks whether what was learnt is
+        still better than theta0 there (frost-adapted ViT on clean images: 63% of the first
+        100); the guard's periodic audit otherwise when due."""
+        if stream_changed and self.budget is not None:
+            self.budget.changed()
+        guard = self.guard
+        if guard is None or self.state.pause_left:
+            return
+        now = stream_changed and self.config.guard_change_audit and \
+            not np.array_equal(self.state.theta, self.metadata.theta0)
+        if guard.start_audit(self.config.guard_audit, now):
+            self.state.pause_left = guard.warmup
 
     def _inputs_changed(self, x: np.ndarray) -> bool:
         """Feed the input change detector (with the guard on) the images x [B, C, H, W]; on a
         change the activation shift's window restarts too (it holds the old stream's head
         inputs: the ViT's, after Gaussian noise, moved clean images by the noise's offset
         for a window's length)."""
-        if self.guard is None or not self.inputs.observe(x):
+        if (self.guard is None and self.budget is None) or not self.inputs.observe(x):
             return False
         if self.shift is not None:
             self.shift.restart(self.state)
@@ -426,6 +473,8 @@ class AdaptiveModel:
         if reason is None:
             return
         to_source = guard.tripped(reason)
+        if self.budget is not None:
+            self.budget.changed()
         self._roll_back(self.metadata.theta0 if to_source else st.healthy_theta)
         st.guard_trips += 1
         st.pause_left = self.config.guard_pause
@@ -447,6 +496,8 @@ class AdaptiveModel:
         sides = np.stack([st.theta, theta0]) if dueled else st.theta[None]
         logits, features = self.session.run(x, np.repeat(sides, batch, axis=0))
         self.session.counter.samples += batch
+        if dueled and self.budget is not None:
+            self.budget.charge(batch)
         rows = slice(0, batch) if guard.serving_candidate or not dueled else slice(batch, None)
         changes = self.shift.changes if self.shift is not None else 0
         served = self._serve(logits[rows], features[rows])
@@ -462,6 +513,7 @@ class AdaptiveModel:
 
     def _end_pause(self, guard: HealthGuard, dueled: bool) -> None:
         st, cfg = self.state, self.config
+        at_change = guard.auditing and not guard.serving_candidate
         what = "audit" if guard.auditing else "pause"
         margin = guard.duel_margin
         held = guard.holding
@@ -482,12 +534,18 @@ class AdaptiveModel:
             kept = "the last healthy checkpoint"
         if verdict == "hold":
             st.pause_left = cfg.guard_pause
-        quiet = (verdict == "hold" and not dueled) or (what, verdict) == ("audit", "checkpoint")
+        elif self.budget is not None:
+            self.budget.changed()
+        # routine: a hold at theta0, an audit that keeps theta, any verdict of an audit at a
+        # change of stream (every corruption of a continual stream starts one)
+        quiet = (verdict == "hold" and not dueled) or (what, verdict) == ("audit", "checkpoint") \
+            or at_change
         hold = f"serving theta0 and keeping {kept} for the next duel" if keep else \
             "holding at theta0"
         log.log(logging.INFO if quiet else logging.WARNING,
                 "health guard: after the %s at step %d (alignment %s vs theta0's %s), %s",
-                what, st.step, *(f"{d:.4g}" if d is not None else "-" for d in guard.last_duel), {
+                f"{what} at a change of stream" if at_change else what, st.step,
+                *(f"{d:.4g}" if d is not None else "-" for d in guard.last_duel), {
             "checkpoint": "adaptation goes on from the duelled theta (in bounds, and not "
                           f"over {margin}x theta0's distance to the source)",
             "theta0": "adaptation resumes from theta0",

@@ -34,7 +34,9 @@ _ARRAY_FIELDS = (*_REQUIRED_ARRAYS, *_OPTIONAL_ARRAYS)
 _COUNTS = (  # ints in [0, 2^63)
     "step", "skipped", "seed", "clipped_coefs", "clipped_steps", "guard_trips", "pause_left",
 )
-_WEIGHTS = ("stat_weight", "coef_weight", "shift_weight", "shift_recent_weight")  # floats in [0, 1]
+_WEIGHTS = (  # floats in [0, 1]
+    "stat_weight", "coef_weight", "shift_weight", "shift_recent_weight", "budget_fill",
+)
 _MAGNITUDES = (
     "coef_scale", "balance_in", "balance_out", "anchor_credit", "shift_sq", "shift_recent_sq",
 )  # finite floats >= 0
@@ -61,6 +63,7 @@ class AdaptState:
     shift_mean, shift_sq, shift_weight: the activation shift's windowed test-time mean of the
     head input [D] (float64; empty until the shift is used), mean squared norm and weight;
     shift_recent, shift_recent_sq, shift_recent_weight: the same over its short change window.
+    budget_fill: the compute budget's credit as a share of its bucket (1 = full; :mod:`.budget`).
     """
 
     theta: np.ndarray
@@ -90,6 +93,7 @@ class AdaptState:
     shift_recent: np.ndarray = field(default_factory=lambda: np.zeros(0))
     shift_recent_sq: float = 0.0
     shift_recent_weight: float = 0.0
+    budget_fill: float = 1.0
 
     @classmethod
     def initial(cls, theta0: np.ndarray, num_classes: int, num_features: int, seed: int):
@@ -134,7 +138,8 @@ class AdaptState:
         names = {f.name for f in fields(cls)}
         optional = {"stat_weight", "coef_scale", "coef_weight", "clipped_coefs", "clipped_steps",
                     "guard_trips", "pause_left", "frozen", "shift_mean", "shift_weight",
-                    "shift_sq", "shift_recent", "shift_recent_sq", "shift_recent_weight"}
+                    "shift_sq", "shift_recent", "shift_recent_sq", "shift_recent_weight",
+                    "budget_fill"}
         missing = sorted(set(names) - optional - set(values))
         if missing:
             raise StateError(f"state lacks {missing}")

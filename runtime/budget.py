@@ -1,0 +1,82 @@
+"""The compute budget: how many forwards per sample adaptation may spend, and where.
+
+An adapting method pays ``forwards`` (EVA-0: 2) forwards per sample it adapts on; a batch
+served at the current theta pays one (the activation shift keeps learning from it). A budget
+of F forwards per sample (1 <= F <= forwards) is kept as a bucket of credit counted in extra
+forwards: every sample adds F - 1, adapting on a batch of B takes B (forwards - 1), a duel of
+the health guard takes what it ran beyond one forward per sample. The bucket holds at most
+``BURST_SAMPLES`` (1024) samples' worth, (F - 1) x 1024, and starts full, so over any N
+samples the forward counter reads at most F N + (F - 1) 1024.
+
+Where the credit goes (a token bucket with two speeds):
+
+* **dense** after a change of stream (the start, a change the input detector or the
+  activation shift sees, a guard trip or verdict): every batch is adapted on while the
+  credit lasts. A new stream is where a step pays (the continual tables: most of EVA-0's gain
+  over the shift alone comes in the first few hundred samples of a corruption);
+* **settled** otherwise: a batch is adapted on only when the bucket is full (the credit would
+  overflow), so a stream the model has learnt gets the budget's average rate spread evenly,
+  and the bucket is full again for the next change.
+
+F = forwards adapts on every batch (the method as it is, bit for bit); F = 1 never adapts: the
+method serves at theta0 with the activation shift, noadapt-shift's forward.
+"""
+
+from __future__ import annotations
+
+BURST_SAMPLES = 1024
+
+
+class ComputeBudget:
+    """The bucket for ``budget`` forwards per sample of a method with ``forwards`` per adapted
+    sample. ``credit`` (extra forwards, 0..capacity) is saved in the adaptation state."""
+
+    def __init__(self, budget: float, forwards: int) -> None:
+        if not 1.0 <= budget <= forwards:
+            raise ValueError(f"budget must be between 1 and the method's {forwards} forwards "
+                             f"per sample, got {budget}")
+        self.budget = float(budget)
+        self.extra = forwards - 1  # forwards an adapted sample pays beyond the served one
+        self.capacity = (self.budget - 1.0) * BURST_SAMPLES
+        self.full = self.budget >= forwards
+        self.credit = self.capacity
+        self.dense = True
+        self.adapted_samples = 0
+        self.served_samples = 0
+
+    @property
+    def fill(self) -> float:
+        """The credit as a share of the bucket, 0..1 (what the state file keeps)."""
+        return min(1.0, self.credit / self.capacity) if self.capacity > 0 else 1.0
+
+    @fill.setter
+    def fill(self, share: float) -> None:
+        self.credit = min(max(share, 0.0), 1.0) * self.capacity
+
+    def changed(self) -> None:
+        """A change of stream: spend densely until the credit runs out."""
+        self.dense = True
+
+    def adapt(self, batch: int) -> bool:
+        """Whether to adapt on the next batch of ``batch`` samples (and charge it)."""
+        take = self.full or self._take(batch)
+        if take:
+            self.adapted_samples += batch
+        else:
+            self.served_samples += batch
+        return take
+
+    def _take(self, batch: int) -> bool:
+        cost = batch * self.extra
+        capacity = max(self.capacity, cost)  # a low budget still affords a large batch now and then
+        self.credit = min(capacity, self.credit + (self.budget - 1.0) * batch)
+        affordable = self.credit >= cost
+        take = affordable and (self.dense or self.credit >= capacity)
+        self.dense = self.dense and affordable
+        if take:
+            self.credit -= cost
+        return take
+
+    def charge(self, extra_forwards: float) -> None:
+        """Take forwards the guard spent beyond one per sample (the credit stops at 0)."""
+        self.credit = max(0.0, self.credit - extra_forwards)

@@ -1,0 +1,105 @@
+"""The compute budget: the forward counter stays within it, a budget of one forward is the
+shift alone, a full budget is the method as it is, the bucket's fill survives a state file."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eva0_edge.bench.fashion_mnist import load_fashion_mnist
+from eva0_edge.runtime.budget import BURST_SAMPLES, ComputeBudget
+from eva0_edge.runtime.engine import AdaptiveModel
+from eva0_edge.runtime.modelfile import read_metadata
+from eva0_edge.runtime.preprocess import preprocess_uint8
+from tests.test_testbed import SHIPPED
+
+RESNET = SHIPPED[1]
+
+
+@pytest.fixture(scope="module")
+def clean() -> np.ndarray:
+    images, _ = load_fashion_mnist("test")
+    order = np.random.default_rng(5).permutation(len(images))[:2048]
+    return preprocess_uint8(images[order], read_metadata(RESNET).preprocessing)
+
+
+@pytest.mark.parametrize("budget", [1.0, 1.1, 1.25, 1.5, 1.9])
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_the_bucket_never_spends_more_than_it_was_given(budget, batch):
+    """Over any prefix of N samples, with a change every 700 samples: extra forwards <=
+    (F - 1) N + the bucket; on a long stream the spending is the budget's."""
+    bucket = ComputeBudget(budget, 2)
+    spent, seen = 0, 0
+    for i in range(0, 40000, batch):
+        if i // 700 != (i + batch) // 700:
+            bucket.changed()
+        spent += batch if bucket.adapt(batch) else 0
+        seen += batch
+        assert spent <= (budget - 1) * seen + max((budget - 1) * BURST_SAMPLES, batch) + 1e-6
+    assert spent >= (budget - 1) * seen - max((budget - 1) * BURST_SAMPLES, batch) - batch
+
+
+def test_after_a_change_the_bucket_is_spent_densely_then_evenly():
+    bucket = ComputeBudget(1.5, 2)
+    first = [bucket.adapt(16) for _ in range(64)]  # 1024 samples from a full bucket
+    assert all(first[:40]) and not all(first)
+    settled = [bucket.adapt(16) for _ in range(400)]
+    gaps = np.diff(np.flatnonzero(settled))
+    assert gaps.min() >= 1 and gaps.max() <= 3  # one batch in two, spread evenly
+    bucket.changed()
+    assert all(bucket.adapt(16) for _ in range(30))
+
+
+def test_a_budget_outside_one_to_the_methods_forwards_is_refused():
+    for bad in (0.5, 2.5):
+        with pytest.raises(ValueError, match="budget must be between 1 and"):
+            AdaptiveModel.load(RESNET, "eva0", {"budget": bad})
+
+
+def test_the_forward_counter_stays_within_the_budget(clean):
+    model = AdaptiveModel.load(RESNET, "eva0", {"budget": 1.25}, threads=1)
+    for i in range(0, len(clean), 16):
+        model.step(clean[i:i + 16])
+    stats = model.stats()
+    allowance = 0.25 * BURST_SAMPLES / len(clean)
+    assert 1.1 < stats["forwards_per_sample"] <= 1.25 + allowance
+    assert stats["budget"]["adapted_samples"] + stats["budget"]["served_samples"] == len(clean)
+    assert stats["drift"] > 0
+
+
+def test_a_budget_of_one_forward_is_the_activation_shift_alone(clean):
+    """No adaptation: bit for bit the source model with EVA-0's activation shift, one forward
+    per sample (on one stream: a change of input also restarts the shift, which the
+    non-adapting methods do not watch for)."""
+    model = AdaptiveModel.load(RESNET, "eva0", {"budget": 1.0}, threads=1)
+    shift = {k: getattr(model.config, k) for k in ("activation_shift", "shift_window",
+                                                   "shift_max")}
+    source = AdaptiveModel.load(RESNET, "noadapt-shift", shift, threads=1)
+    for i in range(0, 1024, 16):
+        np.testing.assert_array_equal(model.step(clean[i:i + 16]), source.step(clean[i:i + 16]))
+    assert model.stats()["forwards_per_sample"] == 1.0
+    np.testing.assert_array_equal(model.state.theta, read_metadata(RESNET).theta0)
+
+
+def test_a_full_budget_is_the_method_as_it_is(clean):
+    full = AdaptiveModel.load(RESNET, "eva0", {"budget": 2.0}, threads=1)
+    plain = AdaptiveModel.load(RESNET, "eva0", threads=1)
+    for i in range(0, 512, 16):
+        np.testing.assert_array_equal(full.step(clean[i:i + 16]), plain.step(clean[i:i + 16]))
+    np.testing.assert_array_equal(full.state.theta, plain.state.theta)
+
+
+def test_the_bucket_fill_is_saved_with_the_state(clean, tmp_path):
+    model = AdaptiveModel.load(RESNET, "eva0", {"budget": 1.5}, threads=1)
+    for i in range(0, 768, 16):
+        model.step(clean[i:i + 16])
+    fill = model.budget.fill
+    assert 0 <= fill < 1
+    path = model.save_state(tmp_path / "s.npz")
+    again = AdaptiveModel.load(RESNET, "eva0", {"budget": 1.5}, threads=1)
+    again.load_state(path)
+    assert again.budget.fill == pytest.approx(fill)
+    state = again.state_dict()
+    with pytest.raises(ValueError, match="budget_fill"):
+        again.load_state_dict({**state, "budget_fill": 1.5})
+    assert again.budget.fill == pytest.approx(fill)
