@@ -6,6 +6,8 @@ import argparse
 
 from eva0_edge.runtime.cli import (
     add_runtime_options,
+    int_in,
+    int_list,
     method_overrides,
     missing_extra,
     split_names,
@@ -25,7 +27,7 @@ def _cmd_eval(args: argparse.Namespace) -> None:
         severity=args.severity,
         batch_size=args.batch_size,
         methods=split_names(args.methods),
-        batch_sizes=[int(b) for b in split_names(args.batch_sizes)] if args.batch_sizes else None,
+        batch_sizes=args.batch_sizes,
         corruptions=split_names(args.corruptions) if args.corruptions else None,
         seed=args.seed,
         limit=args.limit,
@@ -75,7 +77,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     report = run_bench(
         model,
-        [int(b) for b in args.batch_sizes.split(",")],
+        args.batch_sizes,
         methods,
         repeats=args.repeats,
         warmup=args.warmup,
@@ -107,9 +109,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", default="noadapt,eva0", help="comma-separated; runtime methods "
                    "(name@FP sets #FP, e.g. eva0-clubs@8, foa-dagger@14) plus the torch "
                    "baselines tent, sar, deyo")
-    p.add_argument("--limit", type=int, help="images per corruption (a seeded subset)")
-    p.add_argument("--batch-sizes", help="comma-separated: one run per batch size in one "
-                   "report (a row per method and batch size); overrides --batch-size")
+    p.add_argument("--limit", type=int_in(1), help="images per corruption (a seeded subset)")
+    p.add_argument("--batch-sizes", type=int_list, help="comma-separated: one run per batch "
+                   "size in one report (a row per method and batch size); overrides --batch-size")
     p.add_argument("--corruptions", help="comma-separated domains (default: all 15); 'clean' "
                    "is the uncorrupted images; hostile streams: black, white, repeat, noise, "
                    "burst, alternate, and sensor faults gauss-S (noise std S on [0, 1]), blur-R, "
@@ -119,7 +121,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--torch-checkpoint", help="torch weights for tent/sar/deyo on a non-shipped "
                    "model")
     p.add_argument("--out", help="folder for results.md / results.json / stream.png")
-    p.add_argument("--threads", type=int, help="intra-op threads of ORT and torch")
+    p.add_argument("--threads", type=int_in(1), help="intra-op threads of ORT and torch")
     p.add_argument("--prompt-model", help="prompt model (export --prompts) for foa, foa-dagger "
                    "and eva0-clubs (default: the shipped model's prompt variant, cached)")
     p.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
@@ -131,11 +133,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="step cost (time, memory) of methods against NoAdapt")
     p.add_argument("--model", help="adaptable .onnx file")
     p.add_argument("--arch", help="timm architecture, exported with random weights (cached)")
-    p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated (default 1,8,32)")
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 8, 32],
+                   help="comma-separated (default 1,8,32)")
     p.add_argument("--methods", default="noadapt,eva0,zoa,foa,tent", help="comma-separated")
-    p.add_argument("--repeats", type=int, default=10, help="timed repetitions (default 10)")
+    p.add_argument("--repeats", type=int_in(1), default=10,
+                   help="timed repetitions (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
-    p.add_argument("--threads", type=int, help="intra-op threads (default: ORT's / torch's)")
+    p.add_argument("--threads", type=int_in(1), help="intra-op threads (default: ORT's / torch's)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-RSS processes")
     p.add_argument("--torch-checkpoint", help="torch weights for tent on a non-shipped model")
     p.add_argument("--prompt-model", help="prompt model for foa / foa-dagger / eva0-clubs "

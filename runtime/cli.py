@@ -49,6 +49,29 @@ def method_overrides(args: argparse.Namespace) -> dict:
     return overrides
 
 
+def int_in(low: int, high: int | None = None):
+    """An argparse type: an integer in [low, high] (no upper bound when None), else a usage
+    error naming the range."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low or (high is not None and value > high):
+            span = f">= {low}" if high is None else f"in {low}..{high}"
+            raise argparse.ArgumentTypeError(f"must be {span}, got {value}")
+        return value
+    return parse
+
+
+def int_list(text: str) -> list[int]:
+    """An argparse type: ``"1,8,32"`` -> [1, 8, 32], each >= 1."""
+    values = [int_in(1)(part) for part in split_names(text)]
+    if not values:
+        raise argparse.ArgumentTypeError("give at least one value, e.g. 1,8,32")
+    return values
+
+
 def split_names(text: str) -> list[str]:
     """``"a, b,,c"`` -> ``["a", "b", "c"]``."""
     return [part.strip() for part in text.split(",") if part.strip()]
@@ -63,7 +86,7 @@ def add_runtime_options(p: argparse.ArgumentParser, *, method: bool = True) -> N
             help="hyper-parameter override, repeatable: --set eta=0.001 --set lambda_swa=0",
         )
         p.add_argument("--budget", type=float, metavar="F", help=BUDGET_HELP)
-    p.add_argument("--batch-size", type=int, default=64, help="default 64")
+    p.add_argument("--batch-size", type=int_in(1), default=64, help="default 64")
     p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"])
     if method:
         p.add_argument("--io-binding", action="store_true", help=IO_BINDING_HELP)
@@ -90,6 +113,34 @@ def add_split_options(p: argparse.ArgumentParser) -> None:
 def split_options(args: argparse.Namespace) -> dict[str, Any]:
     """The AdaptableSession keywords of --split-sessions / --memory-budget-mb."""
     return {"split": args.split_sessions, "memory_budget_mb": args.memory_budget_mb}
+
+
+class StopRequest:
+    """Within its block, SIGINT and SIGTERM ask the loop to stop after the batch in progress
+    (``signal`` names the one received) instead of killing it mid-write; a second one
+    interrupts at once."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        import signal
+
+        def ask(number: int, _frame: Any) -> None:
+            if self.signal is not None:
+                raise KeyboardInterrupt
+            self.signal = signal.Signals(number).name
+
+        for number in (signal.SIGINT, signal.SIGTERM):
+            self._previous[number] = signal.signal(number, ask)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import signal
+
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
 
 
 def _runtime_method(name: str) -> str:
@@ -157,20 +208,27 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
         log.info("resumed from %s at step %d", args.state, model.state.step)
     stream = open_input(args.input, model.metadata.preprocessing)
     correct = seen = 0
-    with PredictionWriter(args.output, model.metadata.labels, args.logits) as writer:
+    failure: Exception | None = None
+    with PredictionWriter(args.output, model.metadata.labels, args.logits) as writer, \
+            StopRequest() as stop:
         progress = tqdm(
             stream.batches(args.batch_size),
             total=-(-len(stream) // args.batch_size),
             desc=args.method,
             disable=True if args.quiet else None,  # None: off when not a terminal
         )
-        for names, x, labels in progress:
-            logits = model.step(x)
-            writer.write(names, logits, labels)
-            if labels is not None:
-                correct += int((logits.argmax(axis=1) == labels).sum())
-                seen += len(labels)
-                progress.set_postfix(acc=f"{100.0 * correct / seen:.2f}")
+        try:
+            for names, x, labels in progress:
+                logits = model.step(x)
+                writer.write(names, logits, labels)
+                if labels is not None:
+                    correct += int((logits.argmax(axis=1) == labels).sum())
+                    seen += len(labels)
+                    progress.set_postfix(acc=f"{100.0 * correct / seen:.2f}")
+                if stop.signal is not None:
+                    break
+        except (ValueError, OSError) as err:  # a bad file in the stream (InputError included)
+            failure = err
     if args.state and not isinstance(model, FOAModel):
         model.save_state(args.state)
     stats = model.stats()
@@ -181,7 +239,13 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
     )
     if seen:
         summary += f", accuracy {100.0 * correct / seen:.2f}%"
-    print(summary + f" -> {args.output}")
+    stopped = f" (stopped by {stop.signal} after the batch in progress)" if stop.signal else ""
+    print(summary + f" -> {args.output}" + (f", state {args.state}" if args.state else "")
+          + stopped)
+    if failure is not None:
+        raise failure
+    if stop.signal is not None:
+        raise SystemExit(130)
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
@@ -296,7 +360,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="adaptable .onnx file")
     p.add_argument("--name", help="model name in the URLs (default: the file's stem)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="default 8000")
+    p.add_argument("--port", type=int_in(0, 65535), default=8000,
+                   help="default 8000 (0: any free port)")
     p.add_argument("--method", default="eva0", type=_runtime_method, help=RUNTIME_METHOD_HELP)
     p.add_argument("--max-batch", type=int, default=64,
                    help="most rows per adaptation step and per request (default 64)")
@@ -321,7 +386,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "loopback")
     p.add_argument("--summary-every", type=float, default=30.0,
                    help="seconds between info-level summaries (default 30)")
-    p.add_argument("--threads", type=int, help="ORT intra-op threads")
+    p.add_argument("--threads", type=int_in(1), help="ORT intra-op threads")
     p.add_argument("--low-memory", action="store_true", help=LOW_MEMORY_HELP)
     p.add_argument("--io-binding", action="store_true", help=IO_BINDING_HELP)
     add_split_options(p)
@@ -330,7 +395,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="hyper-parameter override, repeatable")
     p.add_argument("--budget", type=float, metavar="F", help=BUDGET_HELP)
     p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--replicas", type=int, help="serve N replicas on Ray Serve with merged "
+    p.add_argument("--replicas", type=int_in(1), help="serve N replicas on Ray Serve with merged "
                    "adaptation (the [fleet] extra); --state-dir then holds the fleet's snapshots")
     p.add_argument("--ray-address", help="join this Ray cluster (default: a local instance)")
     p.add_argument("--sync-every-s", type=float, default=2.0,

@@ -62,9 +62,10 @@ class PredictionWriter:
         return self._file
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        """Close and publish the rows written so far (whole batches), even when the stream
+        stopped on an error or an interrupt: no ``.partial`` is left behind."""
         file = self._opened()
         file.flush()
         os.fsync(file.fileno())
         file.close()
-        if exc_type is None:
-            os.replace(self.partial, self.path)
+        os.replace(self.partial, self.path)

@@ -151,3 +151,104 @@ def test_adapt_with_split_sessions_writes_the_same_predictions(calibrated_vit, t
     labels = {mode: [json.loads(line)["label"] for line in path.read_text().splitlines()]
               for mode, path in outputs.items()}
     assert labels["split"] == labels["whole"] == labels["budget"]
+
+
+def _adapt_command(stream, out, state) -> list[str]:
+    import sys
+
+    from tests.test_testbed import SHIPPED
+    return [sys.executable, "-m", "eva0_edge.cli", "adapt", "--model", str(SHIPPED[1]),
+            "--input", str(stream), "--output", str(out), "--state", str(state),
+            "--batch-size", "16", "-q"]
+
+
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+def test_an_interrupted_adapt_keeps_the_predictions_and_the_state(tmp_path, signal_name):
+    """A signal mid-stream: the batch in progress finishes, the predictions of every batch done
+    are published (whole JSON lines, no .partial), the state is saved and loads, exit 130."""
+    import signal
+    import subprocess
+    import time
+
+    from eva0_edge.runtime.engine import AdaptiveModel
+    from tests.test_testbed import SHIPPED
+
+    stream, out, state = tmp_path / "x.npy", tmp_path / "p.jsonl", tmp_path / "s.npz"
+    np.save(stream, np.random.default_rng(0).integers(0, 256, (20000, 32, 32, 3), np.uint8))
+    proc = subprocess.Popen(_adapt_command(stream, out, state), stderr=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    partial = tmp_path / "p.jsonl.partial"
+    deadline = time.monotonic() + 120
+    while (not partial.exists() or partial.stat().st_size < 10000) and proc.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(getattr(signal, signal_name))
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and f"stopped by {signal_name}" in stdout
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert 0 < len(rows) < 20000 and len(rows) % 16 == 0
+    assert not partial.exists()
+    model = AdaptiveModel.load(SHIPPED[1], "eva0")
+    model.load_state(state)
+    assert 0 < model.state.step <= len(rows) // 16  # paused batches (the guard) take no step
+
+
+def test_a_bad_image_mid_stream_keeps_what_was_done(tmp_path, capsys):
+    """An undecodable file in an image folder: the run stops there with one line naming it,
+    the predictions before it are published and the state is saved."""
+    from tests.test_testbed import SHIPPED
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(48):
+        Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(
+            folder / f"img_{i:03d}.png")
+    (folder / "img_020.png").write_bytes(b"\x89PNG not really")
+    out, state = tmp_path / "p.jsonl", tmp_path / "s.npz"
+    argv = ["adapt", "--model", str(SHIPPED[1]), "--input", str(folder), "--output", str(out),
+            "--state", str(state), "--batch-size", "16", "-q"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "img_020.png" in err and "Traceback" not in err
+    assert len(out.read_text().splitlines()) == 16 and state.is_file()
+    assert not (tmp_path / "p.jsonl.partial").exists()
+
+
+@pytest.mark.parametrize("argv,option", [
+    (["serve", "--model", "m.onnx", "--port", "99999"], "--port"),
+    (["serve", "--model", "m.onnx", "--port", "-1"], "--port"),
+    (["serve", "--model", "m.onnx", "--threads", "-1"], "--threads"),
+    (["eval", "--model", "m.onnx", "--limit", "0"], "--limit"),
+    (["eval", "--model", "m.onnx", "--limit", "-5"], "--limit"),
+    (["eval", "--model", "m.onnx", "--batch-sizes", "1,-1"], "--batch-sizes"),
+    (["bench", "--model", "m.onnx", "--repeats", "0"], "--repeats"),
+    (["bench", "--model", "m.onnx", "--batch-sizes", "x"], "--batch-sizes"),
+    (["adapt", "--model", "m.onnx", "--input", "x", "--output", "p.jsonl", "--batch-size", "0"],
+     "--batch-size"),
+])
+def test_values_that_mean_nothing_are_usage_errors_naming_the_option(argv, option, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}:" in err and "Traceback" not in err
+
+
+def test_a_closed_pipe_and_an_unexpected_error_end_in_one_line(tmp_path):
+    """`info | true`: no BrokenPipeError traceback; an unexpected error: one line and a hint."""
+    import subprocess
+    import sys
+
+    from tests.test_testbed import SHIPPED
+    piped = subprocess.run(
+        f"{sys.executable} -m eva0_edge.cli info {SHIPPED[1]} | true", shell=True,
+        capture_output=True, text=True, timeout=120)
+    assert piped.returncode == 0 and "Traceback" not in piped.stderr
+    empty = tmp_path / "empty.onnx"
+    empty.write_bytes(b"")
+    failed = subprocess.run([sys.executable, "-m", "eva0_edge.cli", "info", str(empty)],
+                            capture_output=True, text=True, timeout=120)
+    assert failed.returncode in (1, 2) and "Traceback" not in failed.stderr
+    assert len(failed.stderr.strip().splitlines()) == 1

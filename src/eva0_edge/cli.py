@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -42,13 +43,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.WARNING - 10 * min(args.verbose, 2),
         format="%(levelname)s %(name)s: %(message)s",
     )
+    name = f"eva0-edge {args.command}"
     try:
         args.func(args)
     except (FileNotFoundError, ModelFormatError, InputError, StateError, ValueError) as err:
-        print(f"eva0-edge {args.command}: error: {err}", file=sys.stderr)
+        print(f"{name}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away (`eva0-edge info m.onnx | head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except Exception as err:
+        if args.verbose:
+            raise
+        print(f"{name}: error: {type(err).__name__}: {err} (rerun with -v for the traceback)",
+              file=sys.stderr)
+        return 1
     return 0
-
 
 
 if __name__ == "__main__":
