@@ -191,8 +191,6 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
     from .methods import load_method
     from .predictions import PredictionWriter
 
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     model = load_method(
         args.model, args.method, method_overrides(args), args.seed, args.provider,
         low_memory=args.low_memory, io_binding=args.io_binding, **split_options(args),
@@ -212,7 +210,7 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
     with PredictionWriter(args.output, model.metadata.labels, args.logits) as writer, \
             StopRequest() as stop:
         progress = tqdm(
-            stream.batches(args.batch_size),
+            stream.batches(args.batch_size, skip_bad=args.on_bad_input == "skip"),
             total=-(-len(stream) // args.batch_size),
             desc=args.method,
             disable=True if args.quiet else None,  # None: off when not a terminal
@@ -239,6 +237,10 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
     )
     if seen:
         summary += f", accuracy {100.0 * correct / seen:.2f}%"
+    if stream.skipped:
+        names = ", ".join(name for name, _ in stream.skipped[:5])
+        more = f" and {len(stream.skipped) - 5} more" if len(stream.skipped) > 5 else ""
+        summary += f", {len(stream.skipped)} undecodable input(s) skipped ({names}{more})"
     stopped = f" (stopped by {stop.signal} after the batch in progress)" if stop.signal else ""
     print(summary + f" -> {args.output}" + (f", state {args.state}" if args.state else "")
           + stopped)
@@ -352,6 +354,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--logits", action="store_true", help="also write the logits")
     p.add_argument("--method", default="eva0", type=_runtime_method, help=RUNTIME_METHOD_HELP)
     p.add_argument("--state", help="state file: resumed from if it exists, saved at the end")
+    p.add_argument("--on-bad-input", choices=["skip", "stop"], default="skip",
+                   help="an image file that cannot be decoded: skip it (counted and named in "
+                   "the summary) or stop there, keeping what was done (default skip)")
     p.add_argument("--low-memory", action="store_true", help=LOW_MEMORY_HELP)
     add_runtime_options(p)
     p.set_defaults(func=_cmd_adapt)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +24,9 @@ class InputStream:
     """A sequence of samples with names (and labels when the source has them).
 
     ``batches(n)`` yields (names, pixel_values [B, C, H, W] float32, labels [B] or None).
+    With ``skip_bad``, an image file that cannot be decoded is left out of its batch (a batch
+    may then be smaller, and one with nothing left is not yielded) and its name and reason
+    are added to ``skipped``; without, it raises ValueError naming the file.
     """
 
     names: list[str]
@@ -31,35 +34,45 @@ class InputStream:
     _array: np.ndarray | None
     _files: list[Path] | None
     pre: Preprocessing
+    skipped: list[tuple[str, str]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.names)
 
     def batches(
-        self, batch_size: int
+        self, batch_size: int, skip_bad: bool = False
     ) -> Iterator[tuple[list[str], np.ndarray, np.ndarray | None]]:
         if batch_size < 1:
             raise ValueError("batch size must be >= 1")
         for start in range(0, len(self), batch_size):
             stop = min(start + batch_size, len(self))
             labels = self.labels[start:stop] if self.labels is not None else None
-            yield self.names[start:stop], self._load(start, stop), labels
+            pixels, kept = self._load(start, stop, skip_bad)
+            if not kept:
+                continue
+            names = [self.names[start + i] for i in kept]
+            yield names, pixels, None if labels is None else labels[kept]
 
-    def _load(self, start: int, stop: int) -> np.ndarray:
+    def _load(self, start: int, stop: int, skip_bad: bool) -> tuple[np.ndarray, list[int]]:
+        """The batch's pixels and the positions in [start, stop) they come from."""
         if self._array is not None:
             chunk = self._array[start:stop]
+            kept = list(range(len(chunk)))
             if chunk.dtype == np.uint8:
-                return preprocess_uint8(chunk, self.pre)
-            return np.asarray(chunk, dtype=np.float32)
-        images = []
-        for path in (self._files or [])[start:stop]:
+                return preprocess_uint8(chunk, self.pre), kept
+            return np.asarray(chunk, dtype=np.float32), kept
+        images, kept = [], []
+        for i, path in enumerate((self._files or [])[start:stop]):
             try:
                 with Image.open(path) as image:
                     image.load()
                     images.append(image)
+                    kept.append(i)
             except (UnidentifiedImageError, OSError) as err:
-                raise ValueError(f"cannot decode image {path}: {err}") from err
-        return preprocess_images(images, self.pre)
+                if not skip_bad:
+                    raise ValueError(f"cannot decode image {path}: {err}") from err
+                self.skipped.append((self.names[start + i], str(err)))
+        return (preprocess_images(images, self.pre) if images else np.zeros((0,))), kept
 
 
 def _pick(npz: np.lib.npyio.NpzFile, keys: tuple[str, ...]) -> str | None:

@@ -92,7 +92,6 @@ def test_adapt_npz_with_labels_to_csv(calibrated_vit, tmp_path, capsys):
         (["--set", "bogus=1"], "unknown hyper-parameter"),
         (["--set", "eta=abc"], "hyper-parameter eta must be float, got 'abc'"),
         (["--set", "guard=1"], "hyper-parameter guard must be bool"),
-        (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     ],
 )
 def test_adapt_bad_arguments_exit_2(calibrated_vit, tmp_path, capsys, args, message):
@@ -194,9 +193,12 @@ def test_an_interrupted_adapt_keeps_the_predictions_and_the_state(tmp_path, sign
     assert 0 < model.state.step <= len(rows) // 16  # paused batches (the guard) take no step
 
 
-def test_a_bad_image_mid_stream_keeps_what_was_done(tmp_path, capsys):
-    """An undecodable file in an image folder: the run stops there with one line naming it,
-    the predictions before it are published and the state is saved."""
+@pytest.mark.parametrize("mode", ["skip", "stop"])
+def test_a_bad_image_mid_stream_is_skipped_or_stops_keeping_what_was_done(tmp_path, capsys,
+                                                                         mode):
+    """An undecodable file in an image folder. skip (the default): the run finishes, 47
+    predictions, the file named in the summary. stop: the run stops there with one line
+    naming it, the predictions before it are published and the state is saved."""
     from tests.test_testbed import SHIPPED
 
     folder = tmp_path / "images"
@@ -208,12 +210,18 @@ def test_a_bad_image_mid_stream_keeps_what_was_done(tmp_path, capsys):
     (folder / "img_020.png").write_bytes(b"\x89PNG not really")
     out, state = tmp_path / "p.jsonl", tmp_path / "s.npz"
     argv = ["adapt", "--model", str(SHIPPED[1]), "--input", str(folder), "--output", str(out),
-            "--state", str(state), "--batch-size", "16", "-q"]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "img_020.png" in err and "Traceback" not in err
-    assert len(out.read_text().splitlines()) == 16 and state.is_file()
-    assert not (tmp_path / "p.jsonl.partial").exists()
+            "--state", str(state), "--batch-size", "16", "--on-bad-input", mode, "-q"]
+    if mode == "skip":
+        assert main(argv) == 0
+        assert "1 undecodable input(s) skipped (img_020.png)" in capsys.readouterr().out
+        rows = [json.loads(line)["input"] for line in out.read_text().splitlines()]
+        assert len(rows) == 47 and "img_020.png" not in rows
+    else:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "img_020.png" in err and "Traceback" not in err
+        assert len(out.read_text().splitlines()) == 16
+    assert state.is_file() and not (tmp_path / "p.jsonl.partial").exists()
 
 
 @pytest.mark.parametrize("argv,option", [
