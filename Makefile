@@ -6,7 +6,7 @@ STAMP := $(VENV)/.eva0-edge-installed
 
 FMNIST := /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz
 
-.PHONY: blackbox setup data demo test test-fast lint tables sweep hostile tune FORCE
+.PHONY: blackbox setup data demo test test-fast lint tables sweep hostile budget tune FORCE
 
 # A strict editable install: a link tree mirrors the import names (eva0_edge.runtime ->
 # runtime/, ...), so static tools (mypy, IDEs) resolve them too; the tree is rebuilt when the
@@ -92,6 +92,23 @@ hostile: setup data
 			--methods noadapt,eva0 --threads 1 --out out/hostile/$$m-$$s -q; \
 	done; done
 	$(PY) -m eva0_edge.bench.hostile_summary out/hostile
+
+# What a compute budget buys: the continual stream (severity 5) on both shipped models at B = 1
+# and 64, NoAdapt / noadapt-shift / EVA-0 at full cost and EVA-0 at each of BUDGETS; the table
+# and the Pareto plot of accuracy against the measured forwards per sample.
+BUDGETS ?= 1.5 1.25
+BUDGET_LIMIT ?= 300
+budget: setup data
+	for m in vit_fmnist resnet_gn_fmnist; do \
+		$(VENV)/bin/eva0-edge eval --model models/$$m.onnx --protocol continual --severity 5 \
+			--limit $(BUDGET_LIMIT) --batch-sizes 1,64 --methods noadapt,noadapt-shift,eva0 \
+			--threads 1 --out out/budget/$$m-full -q; \
+		for f in $(BUDGETS); do \
+			$(VENV)/bin/eva0-edge eval --model models/$$m.onnx --protocol continual --severity 5 \
+				--limit $(BUDGET_LIMIT) --batch-sizes 1,64 --methods eva0 --budget $$f \
+				--threads 1 --out out/budget/$$m-$$f -q; \
+		done; done
+	$(PY) -m eva0_edge.bench.budget_summary out/budget
 
 # Tune every table method on the validation split, the same budget each (models/tune.py): the
 # runtime methods on eva0's eta grid (0.5..16 x the pre-tuning value), the torch baselines on

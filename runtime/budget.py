@@ -4,9 +4,11 @@ An adapting method pays ``forwards`` (EVA-0: 2) forwards per sample it adapts on
 served at the current theta pays one (the activation shift keeps learning from it). A budget
 of F forwards per sample (1 <= F <= forwards) is kept as a bucket of credit counted in extra
 forwards: every sample adds F - 1, adapting on a batch of B takes B (forwards - 1), a duel of
-the health guard takes what it ran beyond one forward per sample. The bucket holds at most
-``BURST_SAMPLES`` (1024) samples' worth, (F - 1) x 1024, and starts full, so over any N
-samples the forward counter reads at most F N + (F - 1) 1024.
+the health guard takes what it ran beyond one forward per sample (the guard is never refused:
+the credit may go below 0 and adaptation waits until the duels are paid for). The bucket holds
+at most ``BURST_SAMPLES`` (1024) samples' worth, (F - 1) x 1024, and starts full, so over any N
+samples the forward counter reads at most F N + (F - 1) 1024, unless the guard's duels alone
+cost more than the budget (a long hold on a stream the source fails on).
 
 Where the credit goes (a token bucket with two speeds):
 
@@ -46,8 +48,9 @@ class ComputeBudget:
 
     @property
     def fill(self) -> float:
-        """The credit as a share of the bucket, 0..1 (what the state file keeps)."""
-        return min(1.0, self.credit / self.capacity) if self.capacity > 0 else 1.0
+        """The credit as a share of the bucket, 0..1 (what the state file keeps: a debt to
+        the guard's duels is forgiven across a restart)."""
+        return min(1.0, max(0.0, self.credit / self.capacity)) if self.capacity > 0 else 1.0
 
     @fill.setter
     def fill(self, share: float) -> None:
@@ -78,5 +81,6 @@ class ComputeBudget:
         return take
 
     def charge(self, extra_forwards: float) -> None:
-        """Take forwards the guard spent beyond one per sample (the credit stops at 0)."""
-        self.credit = max(0.0, self.credit - extra_forwards)
+        """Take forwards the guard spent beyond one per sample. The credit may go below 0: the
+        guard's duels are never refused, and adaptation waits until they are paid for."""
+        self.credit -= extra_forwards

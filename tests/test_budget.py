@@ -50,6 +50,16 @@ def test_after_a_change_the_bucket_is_spent_densely_then_evenly():
     assert all(bucket.adapt(16) for _ in range(30))
 
 
+def test_the_guards_duels_are_paid_for_before_adaptation_goes_on():
+    bucket = ComputeBudget(1.5, 2)
+    bucket.charge(2000)  # a long duel: 2000 extra forwards
+    bucket.changed()
+    waited = 0
+    while not bucket.adapt(16):
+        waited += 16
+    assert waited >= (2000 - 512) / 0.5 - 16  # the debt beyond the full bucket, at 0.5 a sample
+
+
 def test_a_budget_outside_one_to_the_methods_forwards_is_refused():
     for bad in (0.5, 2.5):
         with pytest.raises(ValueError, match="budget must be between 1 and"):
@@ -103,3 +113,28 @@ def test_the_bucket_fill_is_saved_with_the_state(clean, tmp_path):
     with pytest.raises(ValueError, match="budget_fill"):
         again.load_state_dict({**state, "budget_fill": 1.5})
     assert again.budget.fill == pytest.approx(fill)
+
+
+def test_the_budget_summary_tables_and_plots_measured_forwards(tmp_path):
+    """Two eval reports (full cost, and EVA-0 at a budget) -> one row per method and batch,
+    EVA-0's budget in its name, the measured forwards per sample, a PNG."""
+    import json
+
+    from eva0_edge.bench.budget_summary import main
+
+    def report(label: str, budget: float | None, rows: dict) -> None:
+        folder = tmp_path / f"resnet_gn_fmnist-{label}"
+        folder.mkdir()
+        spec = {"model": "models/resnet_gn_fmnist.onnx", "protocol": "continual", "limit": 300,
+                "overrides": {} if budget is None else {"budget": budget}}
+        results = {name: {"batch_size": 1, "average": avg, "forwards_per_sample": fps}
+                   for name, (avg, fps) in rows.items()}
+        (folder / "results.json").write_text(json.dumps({"spec": spec, "results": results}))
+
+    report("full", None, {"noadapt B=1": (79.4, 1.0), "eva0 B=1": (81.1, 2.0)})
+    report("1.5", 1.5, {"eva0 B=1": (81.2, 1.49)})
+    assert main([str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "budget.json").read_text())["rows"]
+    assert [(r["method"], r["forwards_per_sample"]) for r in rows] == [
+        ("noadapt", 1.0), ("eva0 budget 1.5", 1.49), ("eva0", 2.0)]
+    assert (tmp_path / "budget.png").stat().st_size > 0
