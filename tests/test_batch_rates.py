@@ -118,6 +118,30 @@ def test_engine_clips_a_blown_up_side_and_bounds_the_step(calibrated_vit, monkey
     assert np.linalg.norm(model.state.theta - before) <= radius * 1.001
 
 
+def test_a_step_longer_than_the_trust_radius_is_cut_to_it(calibrated_vit, monkeypatch):
+    """No coefficient clipping, no relaxation, a blown-up side: the raw step is far longer than
+    a trust radius of 0.001; theta moves by exactly the radius and the cut is counted."""
+    config = {"eta": 0.01, "coef_clip": None, "gamma": 0.0, "trust_radius": 0.001,
+              "anchor_per_64": 0.0}
+    model = AdaptiveModel.load(calibrated_vit, "eva0", config, provider="cpu")
+    model.step(uniform_batch(8, 0))
+    run = model.session.run
+
+    def blown_up(x, rows):
+        logits, features = run(x, rows)
+        logits[0] = 0.0
+        logits[0, 0] = 1e4
+        features[0] *= 1e3
+        return logits, features
+
+    monkeypatch.setattr(model.session, "run", blown_up)
+    before, cuts = model.state.theta.copy(), model.stats()["clipped_steps"]
+    model.step(uniform_batch(8, 9))
+    radius = step_rates(model.config, 8, before.size).max_step_norm
+    assert model.stats()["clipped_steps"] == cuts + 1
+    assert np.linalg.norm(model.state.theta - before) == pytest.approx(radius, rel=1e-3)
+
+
 def test_version_one_state_dicts_still_load(calibrated_vit):
     model = AdaptiveModel.load(calibrated_vit, "eva0", provider="cpu")
     model.step(uniform_batch(4))

@@ -85,13 +85,27 @@ def test_short_stream_adapts_only_when_asked(calibrated_vit):
 
 
 def test_prediction_is_mean_of_the_two_sides(small_vit):
+    """The served logits are the mean of the theta + mu z and theta - mu z rows of the one ORT
+    call (recorded), which differ from each other and sit symmetrically about theta."""
     model = AdaptiveModel.load(small_vit.onnx_path, "eva0", {"eta": 0.0, "gamma": 0.0},
                                provider="cpu")
     x = uniform_batch(4)
-    logits = model.step(x)
-    clean = model.predict(x)
-    # second-order close to the clean output, but not identical (perturbed sides)
-    assert 0 < np.abs(logits - clean).max() < 0.05
+    calls = []
+    run = model.session.run
+
+    def recording(images, thetas):
+        logits, features = run(images, thetas)
+        calls.append((np.array(thetas), np.array(logits)))
+        return logits, features
+
+    model.session.run = recording
+    served = model.step(x)
+    (thetas, logits), = calls
+    plus, minus = logits[:4], logits[4:]
+    np.testing.assert_allclose(served, (plus + minus) / 2, rtol=1e-5, atol=1e-6)
+    assert np.abs(plus - minus).max() > 1e-4
+    centre = np.repeat(2 * model.state.theta[None], 4, axis=0)
+    np.testing.assert_allclose(thetas[:4] + thetas[4:], centre, atol=1e-5)
 
 
 @pytest.mark.parametrize("batch", [4, 64])

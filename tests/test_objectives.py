@@ -41,6 +41,17 @@ def test_shortcut_resistant_scores_are_scale_invariant(scale):
     np.testing.assert_allclose(np.linalg.norm(no_center, axis=1), reference, rtol=1e-7)
 
 
+def test_scores_are_the_rescaled_logits_minus_the_centre():
+    """s(o) = (r / ||o||) o - c, row by row, against a hand computation."""
+    logits = np.array([[3.0, 4.0, 0.0], [0.0, -2.0, 0.0]])
+    reference = np.array([10.0, 1.0])
+    center = np.array([1.0, -1.0, 0.5])
+    expected = np.array([[6.0, 8.0, 0.0], [0.0, -1.0, 0.0]]) - center
+    np.testing.assert_allclose(shortcut_resistant_scores(logits, reference, center, eps=0.0),
+                               expected)
+    np.testing.assert_allclose(shortcut_resistant_scores(logits, None, center), logits - center)
+
+
 def test_plain_scores_are_not_scale_invariant():
     logits = np.array([[1.0, 0.0, -1.0]])
     assert softmax_entropy(shortcut_resistant_scores(3 * logits, None, None)) < softmax_entropy(
