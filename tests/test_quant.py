@@ -111,6 +111,37 @@ def test_six_bits_stay_within_reach(calibrated_vit, calibration, tmp_path):
     assert cosines[8] > cosines[6] > 0.9
 
 
+def test_the_int8_schemes_six_bits_are_six_bit_grids(calibrated_vit, calibration, tmp_path):
+    """At 6 bits every integer weight lies in [-32, 31] and every activation QuantizeLinear
+    (uint8, zero point 128) feeds a Clip to [96, 159]: 64 levels each; at 8 bits the weights
+    use the int8 range. The 6-bit model is further from fp32 than the 8-bit one."""
+    import onnx
+    from onnx import numpy_helper
+
+    x = uniform_batch(16, seed=9)
+    fp32 = AdaptiveModel.load(calibrated_vit, "noadapt", provider="cpu").predict(x)
+    spans, cosines = {}, {}
+    for bits in (8, 6):
+        out = tmp_path / f"int{bits}.onnx"
+        quantize_model(calibrated_vit, out, bits, calibration, "int8")
+        model = onnx.load(out)
+        weights = [numpy_helper.to_array(i) for i in model.graph.initializer
+                   if i.data_type == onnx.TensorProto.INT8]
+        spans[bits] = (min(int(w.min()) for w in weights), max(int(w.max()) for w in weights))
+        clips = [n for n in model.graph.node if n.op_type == "Clip" and n.name.endswith("clip6")]
+        quantizers = [n for n in model.graph.node if n.op_type == "QuantizeLinear"]
+        if bits == 6:
+            assert len(clips) == len(quantizers) > 0
+        else:
+            assert not clips
+        q = AdaptiveModel.load(out, "noadapt", provider="cpu").predict(x)
+        cosines[bits] = float(((fp32 * q).sum(1) / np.linalg.norm(fp32, axis=1)
+                               / np.linalg.norm(q, axis=1)).mean())
+    assert spans[6][0] >= -32 and spans[6][1] <= 31
+    assert spans[8][0] < -32 or spans[8][1] > 31
+    assert cosines[8] > cosines[6]
+
+
 def test_quantize_cli(calibrated_vit, tmp_path, capsys):
     np.save(tmp_path / "calib.npy", (np.random.default_rng(0).integers(0, 256, (40, 32, 32, 3)))
             .astype(np.uint8))
