@@ -107,13 +107,15 @@ def uniform_batch(n: int, seed: int = 0, size=(3, 32, 32)):
 # Fixtures and modules that make a test an integration test: timm exports, real server
 # processes, the Fashion-MNIST split and the benchmarks. `make test-fast` leaves them out.
 INTEGRATION_FIXTURES = {
-    "small_vit", "small_resnet_gn", "prompt_vit", "small_model", "calibrated_vit", "server",
+    "small_vit", "small_resnet_gn", "prompt_vit", "wide_prompt_vit", "small_model",
+    "calibrated_vit", "server", "fmnist_clean",
 }
 INTEGRATION_MODULES = {
     "tests.test_serve", "tests.test_hostile", "tests.test_testbed", "tests.test_cost_bench",
     "tests.test_export",
     "tests.test_fleet", "tests.test_fanout",
     "tests.test_cuda",
+    "tests.test_guard", "tests.test_inputwatch",  # Fashion-MNIST streams throughout
 }
 
 

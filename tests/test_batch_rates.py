@@ -159,6 +159,7 @@ def _clean_stream(path, count: int) -> tuple[np.ndarray, np.ndarray]:
     return preprocess_uint8(images[order], read_metadata(path).preprocessing), labels[order]
 
 
+@pytest.mark.integration  # Fashion-MNIST
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_batch_one_on_a_clean_stream_does_not_lose_to_noadapt(path):
     x, y = _clean_stream(path, 256)

@@ -17,7 +17,7 @@ RESNET = SHIPPED[1]
 
 
 @pytest.fixture(scope="module")
-def clean() -> np.ndarray:
+def fmnist_clean() -> np.ndarray:
     images, _ = load_fashion_mnist("test")
     order = np.random.default_rng(5).permutation(len(images))[:2048]
     return preprocess_uint8(images[order], read_metadata(RESNET).preprocessing)
@@ -66,18 +66,19 @@ def test_a_budget_outside_one_to_the_methods_forwards_is_refused():
             AdaptiveModel.load(RESNET, "eva0", {"budget": bad})
 
 
-def test_the_forward_counter_stays_within_the_budget(clean):
+def test_the_forward_counter_stays_within_the_budget(fmnist_clean):
     model = AdaptiveModel.load(RESNET, "eva0", {"budget": 1.25}, threads=1)
-    for i in range(0, len(clean), 16):
-        model.step(clean[i:i + 16])
+    for i in range(0, len(fmnist_clean), 16):
+        model.step(fmnist_clean[i:i + 16])
     stats = model.stats()
-    allowance = 0.25 * BURST_SAMPLES / len(clean)
+    allowance = 0.25 * BURST_SAMPLES / len(fmnist_clean)
     assert 1.1 < stats["forwards_per_sample"] <= 1.25 + allowance
-    assert stats["budget"]["adapted_samples"] + stats["budget"]["served_samples"] == len(clean)
+    counted = stats["budget"]["adapted_samples"] + stats["budget"]["served_samples"]
+    assert counted == len(fmnist_clean)
     assert stats["drift"] > 0
 
 
-def test_a_budget_of_one_forward_is_the_activation_shift_alone(clean):
+def test_a_budget_of_one_forward_is_the_activation_shift_alone(fmnist_clean):
     """No adaptation: bit for bit the source model with EVA-0's activation shift, one forward
     per sample (on one stream: a change of input also restarts the shift, which the
     non-adapting methods do not watch for)."""
@@ -86,23 +87,25 @@ def test_a_budget_of_one_forward_is_the_activation_shift_alone(clean):
                                                    "shift_max")}
     source = AdaptiveModel.load(RESNET, "noadapt-shift", shift, threads=1)
     for i in range(0, 1024, 16):
-        np.testing.assert_array_equal(model.step(clean[i:i + 16]), source.step(clean[i:i + 16]))
+        x = fmnist_clean[i:i + 16]
+        np.testing.assert_array_equal(model.step(x), source.step(x))
     assert model.stats()["forwards_per_sample"] == 1.0
     np.testing.assert_array_equal(model.state.theta, read_metadata(RESNET).theta0)
 
 
-def test_a_full_budget_is_the_method_as_it_is(clean):
+def test_a_full_budget_is_the_method_as_it_is(fmnist_clean):
     full = AdaptiveModel.load(RESNET, "eva0", {"budget": 2.0}, threads=1)
     plain = AdaptiveModel.load(RESNET, "eva0", threads=1)
     for i in range(0, 512, 16):
-        np.testing.assert_array_equal(full.step(clean[i:i + 16]), plain.step(clean[i:i + 16]))
+        x = fmnist_clean[i:i + 16]
+        np.testing.assert_array_equal(full.step(x), plain.step(x))
     np.testing.assert_array_equal(full.state.theta, plain.state.theta)
 
 
-def test_the_bucket_fill_is_saved_with_the_state(clean, tmp_path):
+def test_the_bucket_fill_is_saved_with_the_state(fmnist_clean, tmp_path):
     model = AdaptiveModel.load(RESNET, "eva0", {"budget": 1.5}, threads=1)
     for i in range(0, 768, 16):
-        model.step(clean[i:i + 16])
+        model.step(fmnist_clean[i:i + 16])
     fill = model.budget.fill
     assert 0 <= fill < 1
     path = model.save_state(tmp_path / "s.npz")

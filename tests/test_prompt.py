@@ -161,6 +161,7 @@ def test_every_population_keeps_searching(wide_prompt_vit, forwards):
     assert np.isfinite(model.best_fitness) and model.stats()["forwards_per_sample"] == forwards
 
 
+@pytest.mark.integration  # Fashion-MNIST
 def test_cma_es_improves_the_fitness_on_a_fixed_batch():
     """On the shipped ViT's prompt variant and 32 noisy test images, FOA-dagger's best fitness
     never rises (the previous best is re-evaluated) and falls well below the initial prompt's."""
