@@ -94,12 +94,9 @@ def test_an_injected_huge_coefficient_is_clipped_and_counted():
     assert limit_step(np.array([0.3, 0.4]), 1.0) == (pytest.approx([0.3, 0.4]), False)
 
 
-def test_engine_clips_a_blown_up_side_and_bounds_the_step(calibrated_vit, monkeypatch):
-    """One sample's + side gets absurd logits: its coefficient is clipped and counted, and the
-    step stays within the trust radius."""
-    model = AdaptiveModel.load(calibrated_vit, "eva0", {"eta": 0.01}, provider="cpu")
-    for seed in range(4):
-        model.step(uniform_batch(8, seed))
+def _blow_up_one_side(model: AdaptiveModel, monkeypatch) -> None:
+    """From now on the first row of every ORT call (sample 0's + side) has absurd logits and
+    features."""
     run = model.session.run
 
     def blown_up(x, rows):
@@ -110,6 +107,15 @@ def test_engine_clips_a_blown_up_side_and_bounds_the_step(calibrated_vit, monkey
         return logits, features
 
     monkeypatch.setattr(model.session, "run", blown_up)
+
+
+def test_engine_clips_a_blown_up_side_and_bounds_the_step(calibrated_vit, monkeypatch):
+    """One sample's + side gets absurd logits: its coefficient is clipped and counted, and the
+    step stays within the trust radius."""
+    model = AdaptiveModel.load(calibrated_vit, "eva0", {"eta": 0.01}, provider="cpu")
+    for seed in range(4):
+        model.step(uniform_batch(8, seed))
+    _blow_up_one_side(model, monkeypatch)
     before = model.state.theta.copy()
     model.step(uniform_batch(8, 9))
     stats = model.stats()
@@ -125,16 +131,7 @@ def test_a_step_longer_than_the_trust_radius_is_cut_to_it(calibrated_vit, monkey
               "anchor_per_64": 0.0}
     model = AdaptiveModel.load(calibrated_vit, "eva0", config, provider="cpu")
     model.step(uniform_batch(8, 0))
-    run = model.session.run
-
-    def blown_up(x, rows):
-        logits, features = run(x, rows)
-        logits[0] = 0.0
-        logits[0, 0] = 1e4
-        features[0] *= 1e3
-        return logits, features
-
-    monkeypatch.setattr(model.session, "run", blown_up)
+    _blow_up_one_side(model, monkeypatch)
     before, cuts = model.state.theta.copy(), model.stats()["clipped_steps"]
     model.step(uniform_batch(8, 9))
     radius = step_rates(model.config, 8, before.size).max_step_norm
