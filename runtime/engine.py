@@ -524,12 +524,14 @@ class AdaptiveModel:
         kept = "the duelled theta"
         if dueled and not keep:
             self._roll_back(self.metadata.theta0)
-        elif dueled and verdict == "hold" and what == "audit" and self.shift is not None \
-                and self.shift.degenerate(st):
-            # an audit duels the current theta, which adapted on the stream: on one with no
+        elif dueled and verdict == "hold" and what == "audit" and (at_change or (
+                self.shift is not None and self.shift.degenerate(st))):
+            # an audit duels the current theta, which adapted on the stream: at a change of
+            # stream it took its last steps on a stream theta0 fails on, and on one with no
             # spread (black frames, noise) that is no learning to keep, so keep the last
-            # checkpoint taken while the signals were in bounds; on a corruption theta0 fails
-            # too (fog), what the current theta learnt is kept
+            # checkpoint taken while the signals were in bounds (the ResNet-GN kept a theta
+            # 4.3 from theta0 after 3 steps on black frames); on a corruption theta0 fails
+            # too (fog) met by a periodic audit, what the current theta learnt is kept
             self._roll_back(st.healthy_theta)
             kept = "the last healthy checkpoint"
         if verdict == "hold":
