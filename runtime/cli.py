@@ -162,7 +162,9 @@ def _cmd_info(args: argparse.Namespace) -> None:
     from .info import describe
     from .modelfile import read_metadata
 
-    print(describe(read_metadata(args.model), full=args.full))
+    if (args.model is None) == (args.model_option is None):
+        raise ValueError("info takes one model: `eva0-edge info m.onnx` or `--model m.onnx`")
+    print(describe(read_metadata(args.model or args.model_option), full=args.full))
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> None:
@@ -336,7 +338,8 @@ def _is_loopback(host: str) -> bool:
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register the device subcommands on the dispatcher's subparsers."""
     p = sub.add_parser("info", help="print an adaptable model's metadata")
-    p.add_argument("model", help="adaptable .onnx file")
+    p.add_argument("model", nargs="?", help="adaptable .onnx file (or --model, as elsewhere)")
+    p.add_argument("--model", dest="model_option", metavar="MODEL", help="adaptable .onnx file")
     p.add_argument("--full", action="store_true", help="list every theta segment")
     p.set_defaults(func=_cmd_info)
 

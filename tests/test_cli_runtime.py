@@ -260,3 +260,17 @@ def test_a_closed_pipe_and_an_unexpected_error_end_in_one_line(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert failed.returncode in (1, 2) and "Traceback" not in failed.stderr
     assert len(failed.stderr.strip().splitlines()) == 1
+
+
+def test_info_takes_the_model_as_every_command_does_and_the_version_is_shown(capsys):
+    from eva0_edge import __version__
+    from tests.test_testbed import SHIPPED
+
+    assert main(["info", "--model", str(SHIPPED[1])]) == 0
+    by_option = capsys.readouterr().out
+    assert main(["info", str(SHIPPED[1])]) == 0
+    assert capsys.readouterr().out == by_option and "resnet_gn" in by_option
+    assert main(["info"]) == 2 and "info takes one model" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0 and __version__ in capsys.readouterr().out

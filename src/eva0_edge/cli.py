@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from eva0_edge import __version__
 from eva0_edge.bench.cli import add_commands as add_bench_commands
 from eva0_edge.exporter.cli import add_commands as add_export_commands
 from eva0_edge.quant.cli import add_commands as add_quant_commands
@@ -28,7 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="eva0-edge",
         description="Backprop-free test-time adaptation (EVA-0) on ONNX Runtime.",
     )
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more logging (-vv: debug); tracebacks of unexpected errors")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_commands in (add_export_commands, add_runtime_commands, add_quant_commands,
                          add_bench_commands):
