@@ -414,9 +414,8 @@ class AdaptiveModel:
         est = self.estimator.estimate(
             x, self.state, self.seed, self.state.step, n_anchor, control=True
         )
-        changes = self.shift.changes if self.shift is not None else 0
-        served = self._serve(est.prediction, est.h_mean)
-        stream_changed = inputs_changed or (self.shift is not None and self.shift.changes > changes)
+        served, shift_changed = self._serve_watched(est.prediction, est.h_mean)
+        stream_changed = inputs_changed or shift_changed
         self.last.anchor_rows = n_anchor
         self.state.step += 1
         if not (np.isfinite(est.coef).all() and np.isfinite(est.grad).all()):
@@ -432,10 +431,8 @@ class AdaptiveModel:
         """A batch the budget does not adapt on: one forward at the current theta, served
         (the activation shift learns from it)."""
         logits, features = self._forward(x)
-        changes = self.shift.changes if self.shift is not None else 0
-        served = self._serve(logits, features)
-        self._after_change(inputs_changed or (
-            self.shift is not None and self.shift.changes > changes))
+        served, shift_changed = self._serve_watched(logits, features)
+        self._after_change(inputs_changed or shift_changed)
         return served
 
     def _after_change(self, stream_changed: bool) -> None:
@@ -499,9 +496,8 @@ class AdaptiveModel:
         if dueled and self.budget is not None:
             self.budget.charge(batch)
         rows = slice(0, batch) if guard.serving_candidate or not dueled else slice(batch, None)
-        changes = self.shift.changes if self.shift is not None else 0
-        served = self._serve(logits[rows], features[rows])
-        if inputs_changed or (self.shift is not None and self.shift.changes > changes):
+        served, shift_changed = self._serve_watched(logits[rows], features[rows])
+        if inputs_changed or shift_changed:
             # the verdict is about the stream that follows: judge it on that stream alone
             guard.restart_windows()
             st.pause_left = max(st.pause_left, guard.warmup + batch)
@@ -592,6 +588,12 @@ class AdaptiveModel:
                 self.shift.observe(self.state, features)
         self._record(served)
         return served
+
+    def _serve_watched(self, logits: np.ndarray, features: np.ndarray) -> tuple[np.ndarray, bool]:
+        """:meth:`_serve`, and whether the shift's change detector saw a new stream in it."""
+        changes = self.shift.changes if self.shift is not None else 0
+        served = self._serve(logits, features)
+        return served, self.shift is not None and self.shift.changes > changes
 
     def _record(self, prediction: np.ndarray) -> None:
         self.last = StepStats.of(prediction)
