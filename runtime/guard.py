@@ -46,6 +46,8 @@ current theta, and the current theta is kept only within ``guard_change_margin``
 theta0's feature distance: what was learnt on the old stream must show it is at least as
 close to the source on the new one (the ViT adapted to Gaussian noise of sigma 0.2 was 1.9x
 theta0's distance on the clean images that followed and served them 2.6 points under NoAdapt).
+When theta0 fails on the new stream too (a hold), the engine goes back to the last healthy
+checkpoint: the current theta's last steps were taken on that stream.
 
 Bounds come from the model file's recommended values (learnt on the validation split by
 ``models/guard_bounds.py``; the audit interval by ``models/guard_audit.py``) or the generic
