@@ -31,7 +31,8 @@ BURST_SAMPLES = 1024
 
 class ComputeBudget:
     """The bucket for ``budget`` forwards per sample of a method with ``forwards`` per adapted
-    sample. ``credit`` (extra forwards, 0..capacity) is saved in the adaptation state."""
+    sample. ``credit`` (extra forwards, at most the capacity; below 0 while the guard's duels
+    are being paid for) is saved in the adaptation state as ``fill``."""
 
     def __init__(self, budget: float, forwards: int) -> None:
         if not 1.0 <= budget <= forwards:
@@ -40,7 +41,6 @@ class ComputeBudget:
         self.budget = float(budget)
         self.extra = forwards - 1  # forwards an adapted sample pays beyond the served one
         self.capacity = (self.budget - 1.0) * BURST_SAMPLES
-        self.full = self.budget >= forwards
         self.credit = self.capacity
         self.dense = True
         self.adapted_samples = 0
@@ -62,7 +62,7 @@ class ComputeBudget:
 
     def adapt(self, batch: int) -> bool:
         """Whether to adapt on the next batch of ``batch`` samples (and charge it)."""
-        take = self.full or self._take(batch)
+        take = self._take(batch)
         if take:
             self.adapted_samples += batch
         else:
