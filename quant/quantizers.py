@@ -14,6 +14,7 @@ and as ONNX node sequences for the quantized graph. Both compute exactly the sam
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,16 +51,30 @@ def twin_gelu(x: np.ndarray, m: int, bits: int) -> np.ndarray:
     return np.where(x < 0, _clipped(x, d1, -levels, 0), _clipped(x, d2, 0, levels - 1))
 
 
+def gelu_zero_point(step: float) -> int:
+    """The smallest zero point whose codes reach GELU's minimum (-0.17) with ``step``."""
+    return math.ceil(GELU_MIN / step - 1e-9)
+
+
+def integer_gelu(x: np.ndarray, step: float, bits: int) -> np.ndarray:
+    """The integer encoding's stand-in for twin-uniform GELU quantization: one unsigned k-bit
+    code with ``step`` and zero point :func:`gelu_zero_point` (asymmetric uniform)."""
+    zero = gelu_zero_point(step)
+    return (np.clip(np.round(x / step) + zero, 0, 2**bits - 1) - zero) * step
+
+
 @dataclass
 class Quantizer:
     """A chosen activation quantizer. ``kind``: 'uniform' (``scale``: scalar, or an array
     broadcasting over the tensor, e.g. [1, H, 1, 1] per head), 'twin_softmax' or 'twin_gelu'
-    (``m``: the power-of-two ratio of the two steps)."""
+    (``m``: the power-of-two ratio of the two steps; ``step``: the searched step of the integer
+    encoding's one-code stand-in for twin GELU, see :func:`integer_gelu`)."""
 
     kind: str
     bits: int
     scale: np.ndarray | None = None
     m: int = 0
+    step: float | None = None
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         if self.kind == "uniform":
@@ -76,6 +91,8 @@ class Quantizer:
             out["scale"] = np.asarray(self.scale).reshape(-1).tolist()
         else:
             out["m"] = self.m
+        if self.step is not None:
+            out["integer_step"] = self.step
         return out
 
 

@@ -15,11 +15,13 @@ import numpy as np
 import onnx
 from numpy.lib.stride_tricks import sliding_window_view
 
-from .quantizers import Quantizer, twin_softmax, uniform
+from .quantizers import GELU_MIN, Quantizer, integer_gelu, twin_softmax, uniform
 
-ALPHAS = np.linspace(0.3, 1.2, 19)  # candidate scales: alpha * max|x| / (2^(k-1) - 1)
+ALPHAS = np.linspace(0.3, 1.2, 10)  # candidate scales: alpha * max|x| / (2^(k-1) - 1)
 TWIN_M = range(0, 12)
-MAX_ROWS = 2048
+MAX_ROWS = 512  # rows (tokens, output positions) a linear layer is scored on
+ATTENTION_IMAGES = 8  # images and query rows of an attention MatMul the search scores on
+ATTENTION_ROWS = 64
 
 
 def _cosine(a: np.ndarray, b: np.ndarray, axis=None) -> np.ndarray:
@@ -36,8 +38,10 @@ def _attrs(node: onnx.NodeProto) -> dict:
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
 
-def _im2col(x: np.ndarray, weight_shape: tuple, attrs: dict) -> np.ndarray:
-    """[N, C, H, W] -> [N * H_out * W_out, C * kh * kw] for a Conv with group 1."""
+def _im2col(x: np.ndarray, weight_shape: tuple, attrs: dict, rows: int,
+            rng: np.random.Generator) -> np.ndarray:
+    """[N, C, H, W] -> [rows, C * kh * kw] for a Conv with group 1: at most ``rows`` output
+    positions drawn without replacement (only those windows are copied)."""
     if attrs.get("group", 1) != 1 or any(d != 1 for d in attrs.get("dilations", [1, 1])):
         raise NotImplementedError("grouped or dilated Conv")
     kh, kw = weight_shape[2:]
@@ -46,30 +50,37 @@ def _im2col(x: np.ndarray, weight_shape: tuple, attrs: dict) -> np.ndarray:
     x = np.pad(x, ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
     windows = sliding_window_view(x, (kh, kw), axis=(2, 3))[:, :, ::sh, ::sw]
     n, c, ho, wo = windows.shape[:4]
-    return windows.transpose(0, 2, 3, 1, 4, 5).reshape(n * ho * wo, c * kh * kw)
+    total = n * ho * wo
+    picked = np.arange(total) if total <= rows else np.sort(rng.choice(total, rows, replace=False))
+    i, j, k = np.unravel_index(picked, (n, ho, wo))
+    return windows[i, :, j, k].reshape(len(picked), c * kh * kw)
 
 
-def as_matmul(node: onnx.NodeProto, x: np.ndarray, weight: np.ndarray, index: int):
-    """(X [M, K], W [K, O], to_weight) where ``to_weight(scales [O])`` shapes per-column scales
-    to broadcast over the original weight tensor."""
+def layer_rows(node: onnx.NodeProto, x: np.ndarray, weight_shape: tuple, rows: int,
+               rng: np.random.Generator) -> np.ndarray:
+    """At most ``rows`` rows of the layer's X [M, K] in ``Y = X @ W`` (drawn by ``rng``) from
+    its input activation ``x``: im2col windows of a Conv, the rows of a Gemm's A, the
+    flattened leading axes of a MatMul's input."""
     if node.op_type == "Conv":
-        cols = _im2col(x, weight.shape, _attrs(node))
-        w2 = weight.reshape(weight.shape[0], -1).T
-        return cols, w2, lambda s: s.reshape(-1, 1, 1, 1)
-    attrs = _attrs(node)
+        return _im2col(x, weight_shape, _attrs(node), rows, rng)
+    if node.op_type == "Gemm" and _attrs(node).get("transA", 0):
+        x = x.T
+    x = x.reshape(-1, x.shape[-1])
+    return x if len(x) <= rows else x[np.sort(rng.choice(len(x), rows, replace=False))]
+
+
+def weight_matrix(node: onnx.NodeProto, weight: np.ndarray, index: int):
+    """(W [K, O], to_weight) where ``to_weight(scales [O])`` shapes per-column scales to
+    broadcast over the original weight tensor (input ``index`` of ``node``)."""
+    if node.op_type == "Conv":
+        return weight.reshape(weight.shape[0], -1).T, lambda s: s.reshape(-1, 1, 1, 1)
     if node.op_type == "Gemm":
-        x2 = x.T if attrs.get("transA", 0) else x
-        if attrs.get("transB", 0):
-            return x2, weight.T, lambda s: s.reshape(-1, 1)
-        return x2, weight, lambda s: s.reshape(1, -1)
+        if _attrs(node).get("transB", 0):
+            return weight.T, lambda s: s.reshape(-1, 1)
+        return weight, lambda s: s.reshape(1, -1)
     if index != 1 or weight.ndim != 2:
         raise NotImplementedError("MatMul with a weight that is not its 2-D second input")
-    return x.reshape(-1, x.shape[-1]), weight, lambda s: s.reshape(1, -1)
-
-
-def subsample_rows(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """At most MAX_ROWS rows of ``x``, drawn without replacement."""
-    return x if len(x) <= MAX_ROWS else x[rng.choice(len(x), MAX_ROWS, replace=False)]
+    return weight, lambda s: s.reshape(1, -1)
 
 
 def _activation_candidates(kind: str, x: np.ndarray, bits: int) -> list[Quantizer]:
@@ -82,7 +93,8 @@ def _activation_candidates(kind: str, x: np.ndarray, bits: int) -> list[Quantize
 def search_linear(
     kind: str, x: np.ndarray, w: np.ndarray, bits: int, bias: np.ndarray | None = None,
 ) -> tuple[Quantizer, np.ndarray]:
-    """Best input quantizer and per-column weight scales [O] for ``X @ W (+ bias)``."""
+    """Best input quantizer and per-column weight scales [O] for ``X @ W (+ bias)``; a twin GELU
+    quantizer also gets the step of its integer stand-in, searched with the final weights."""
     reference = x @ w + (0 if bias is None else bias)
     top_w = np.abs(w).max(axis=0)
     top_w[top_w == 0] = 1.0
@@ -100,7 +112,21 @@ def search_linear(
             for a in ALPHAS
         ])
         w_scale = ALPHAS[per_col.argmax(axis=0)] * top_w / _qmax(bits)
+    if kind == "twin_gelu":
+        qw = uniform(w, w_scale, bits)
+        steps = ALPHAS * (float(x.max()) + GELU_MIN) / (2**bits - 1)
+        scores = [_cosine(reference, integer_gelu(x, s, bits) @ qw + (0 if bias is None else bias))
+                  for s in steps]
+        best_q.step = float(steps[int(np.argmax(scores))])
     return best_q, w_scale.astype(np.float32)
+
+
+def search_output(values: np.ndarray, bits: int) -> float:
+    """The symmetric per-tensor scale of a layer's output (an integer kernel's output container)
+    with the best cosine between the output and its quantized value, on sampled ``values``."""
+    candidates = _activation_candidates("uniform", values, bits)
+    scores = [_cosine(values, q(values)) for q in candidates]
+    return float(candidates[int(np.argmax(scores))].scale)
 
 
 def _per_head_candidates(x: np.ndarray, bits: int) -> np.ndarray:
@@ -119,10 +145,15 @@ def _per_head_cos(reference: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def search_attention(
-    kinds: tuple[str, str], a: np.ndarray, b: np.ndarray, bits: int
+    kinds: tuple[str, str], a: np.ndarray, b: np.ndarray, bits: int, rng: np.random.Generator,
 ) -> tuple[Quantizer, Quantizer]:
     """Quantizers for both activation inputs of ``a @ b`` ([B, H, ., .] each): per-head scales,
-    chosen per head by the cosine of that head's output; twin-uniform softmax searched over m."""
+    chosen per head by the cosine of that head's output; twin-uniform softmax searched over m.
+    Scored on ATTENTION_ROWS rows of ``a`` drawn by ``rng`` (the capture keeps the first
+    ATTENTION_IMAGES images; the full product of ViT-B's 32 x 12 x 197 x 197 took 25 s per
+    layer)."""
+    if a.ndim == 4 and a.shape[2] > ATTENTION_ROWS:
+        a = a[:, :, np.sort(rng.choice(a.shape[2], ATTENTION_ROWS, replace=False))]
     reference = a @ b
     ops = [a, b]
     current: list[Quantizer] = []
