@@ -3,24 +3,44 @@
 from __future__ import annotations
 
 import argparse
+import sys
+import time
+
+from eva0_edge.runtime.cli import int_in
 
 
 def _cmd_quantize(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
     from eva0_edge.runtime.data import open_input
     from eva0_edge.runtime.modelfile import read_metadata
 
     from . import quantize_model
 
+    if args.fake_quant and args.scheme != "ptq4vit":
+        raise ValueError("--fake-quant writes the ptq4vit simulation; --scheme int8 is "
+                         "integer only")
     metadata = read_metadata(args.model)
     stream = open_input(args.calib, metadata.preprocessing)
     if len(stream) < args.calib_images:
         raise ValueError(f"--calib has {len(stream)} images, --calib-images asks for "
                          f"{args.calib_images}")
     _, calibration, _ = next(stream.batches(args.calib_images))
-    quantized = quantize_model(args.model, args.output, args.bits, calibration, args.scheme)
+    start = time.perf_counter()
+    bar = tqdm(desc="searching scales", unit="layer", disable=args.quiet, file=sys.stderr)
+
+    def progress(done: int, total: int, layer: str) -> None:
+        bar.total = total
+        bar.set_postfix_str(layer, refresh=False)
+        bar.update(done - bar.n)
+
+    with bar:
+        quantized = quantize_model(args.model, args.output, args.bits, calibration, args.scheme,
+                                   args.fake_quant, progress)
     q = quantized.quantization
-    print(f"wrote {args.output}: {q['scheme']} W{q['bits']}A{q['bits']}, calibrated on "
-          f"{len(calibration)} images")
+    kind = "fake quant" if args.fake_quant else "integer kernels"
+    print(f"wrote {args.output}: {q['scheme']} W{q['bits']}A{q['bits']} ({kind}), calibrated on "
+          f"{len(calibration)} images in {time.perf_counter() - start:.0f} s")
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -29,10 +49,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bits", type=int, required=True, choices=[8, 6])
     p.add_argument("--calib", required=True,
                    help="calibration images: folder, .npy or .npz (the first --calib-images)")
-    p.add_argument("--calib-images", type=int, default=32, help="default 32")
+    p.add_argument("--calib-images", type=int_in(1), default=32, help="default 32")
     p.add_argument("--scheme", default="ptq4vit", choices=["ptq4vit", "int8"],
-                   help="ptq4vit: PTQ4ViT-like fake quantization (accuracy); int8: integer "
-                   "kernels in ONNX Runtime (speed). Default ptq4vit")
+                   help="ptq4vit: PTQ4ViT-like searched scales, written as integer kernels; "
+                   "int8: ORT's static min-max quantization (no search). Default ptq4vit")
+    p.add_argument("--fake-quant", action="store_true",
+                   help="ptq4vit only: write the float simulation (the paper's protocol) "
+                   "instead of integer kernels")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_argument("-o", "--output", required=True, help="output .onnx path")
     p.set_defaults(func=_cmd_quantize)
-
