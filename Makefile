@@ -6,7 +6,7 @@ STAMP := $(VENV)/.eva0-edge-installed
 
 FMNIST := /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz
 
-.PHONY: blackbox setup data demo test test-fast lint tables sweep hostile budget tune FORCE
+.PHONY: blackbox setup data demo test test-fast lint tables sweep hostile budget quant tune FORCE
 
 # A strict editable install: a link tree mirrors the import names (eva0_edge.runtime ->
 # runtime/, ...), so static tools (mypy, IDEs) resolve them too; the tree is rebuilt when the
@@ -109,6 +109,16 @@ budget: setup data
 				--threads 1 --out out/budget/$$m-$$f -q; \
 		done; done
 	$(PY) -m eva0_edge.bench.budget_summary out/budget
+
+# Quantization: the shipped ViT as FP32 and PTQ4ViT W8A8 / W6A6, integer kernels and the
+# fake-quant simulation (NoAdapt / EVA-0, clean and severity 5); ViT-B with random weights:
+# file size, quantize time and peak RSS, and step time per batch size against FP32 NoAdapt.
+QUANT_LIMIT ?= 1000
+quant: setup data
+	$(PY) -m eva0_edge.bench.quant_eval accuracy --model models/vit_fmnist.onnx \
+		--limit $(QUANT_LIMIT) --threads 1 --out out/quant/vit_fmnist
+	$(PY) -m eva0_edge.bench.quant_eval speed --arch vit_base_patch16_224 \
+		--batch-sizes 1,8,32 --repeats 5 --warmup 1 --out out/quant/speed-vitb
 
 # Tune every table method on the validation split, the same budget each (models/tune.py): the
 # runtime methods on eva0's eta grid (0.5..16 x the pre-tuning value), the torch baselines on

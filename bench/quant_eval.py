@@ -3,22 +3,27 @@ of an EVA-0 step on a quantized model against FP32.
 
     python -m eva0_edge.bench.quant_eval accuracy --model models/vit_fmnist.onnx \\
         --scheme ptq4vit --limit 1000 --out out/quant/vit_fmnist
-    python -m eva0_edge.bench.quant_eval speed --arch vit_base_patch16_224 --batch 8 \\
-        --out out/quant/speed-vitb
+    python -m eva0_edge.bench.quant_eval speed --arch vit_base_patch16_224 \\
+        --batch-sizes 1,8,32 --out out/quant/speed-vitb
 
-``accuracy``: quantizes the model (calibration: 32 clean *train* images, never test), then runs
+``accuracy``: quantizes the model (calibration: 32 clean *train* images, never test; PTQ4ViT both
+as integer kernels and as the fake-quant simulation), then runs
 NoAdapt and EVA-0 on the clean test images and on the 15 severity-5 corruptions (single-domain
 protocol, batch 64, the same seeded subset of ``--limit`` images everywhere) for every
 precision; checks the paper's deployment claim (EVA-0 on the 6-bit model beats NoAdapt on FP32
 in average corrupted accuracy). ``speed``: takes a model file, or exports the architecture with
-random weights (cached), quantizes it (int8 scheme at 8 and 6 bits, PTQ4ViT at 8), and times an
-EVA-0 step and a NoAdapt forward on each file, interleaved round-robin after warm-up, medians.
+random weights (cached), quantizes it (PTQ4ViT integer at 8 and 6 bits and fake-quant at 8, and
+ORT's static int8 for reference, each in its own process: time and peak RSS), and times an EVA-0
+step and a NoAdapt forward on each file at each batch size, interleaved round-robin after
+warm-up, medians against FP32 NoAdapt.
 Both write a table, JSON and a PNG.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -77,12 +82,16 @@ def run_accuracy(
     domains = [clean, *fmnist_c_domains(5, "test", indices=indices)]
     calibration = calibration_images(model)
     files = {"fp32": model}
+    encodings = (False, True) if scheme == "ptq4vit" else (False,)
     for b in bits:
-        path = out_dir / f"{Path(model).stem}.{scheme}-w{b}a{b}.onnx"
-        start = time.perf_counter()
-        quantize_model(model, path, b, calibration, scheme)
-        print(f"quantized W{b}A{b} in {time.perf_counter() - start:.1f} s -> {path}", flush=True)
-        files[f"w{b}a{b}"] = str(path)
+        for fake in encodings:
+            name = f"w{b}a{b}{' fake' if fake else ''}"
+            path = out_dir / f"{Path(model).stem}.{scheme}-{name.replace(' ', '-')}.onnx"
+            start = time.perf_counter()
+            quantize_model(model, path, b, calibration, scheme, fake_quant=fake)
+            print(f"quantized {name} in {time.perf_counter() - start:.1f} s -> {path}",
+                  flush=True)
+            files[name] = str(path)
     env = environment()
     results = {}
     for precision, path in files.items():
@@ -93,6 +102,7 @@ def run_accuracy(
               f"{r['eva0']['corrupted_average']:.2f} (NoAdapt / EVA-0)", flush=True)
     lowest = f"w{min(bits)}a{min(bits)}"
     return {
+        "integer_vs_fake": _integer_vs_fake(results, bits) if len(encodings) == 2 else {},
         "model": Path(model).name, "scheme": scheme, "limit": limit, "batch": batch,
         "protocol": "single", "severity": 5, "calibration_images": CALIBRATION_IMAGES,
         "environment_start": env, "environment_end": environment(), "results": results,
@@ -104,6 +114,25 @@ def run_accuracy(
             > results["fp32"]["noadapt"]["corrupted_average"],
         },
     }
+
+
+def _integer_vs_fake(results: dict, bits: list[int]) -> dict[str, dict[str, float]]:
+    """Per width: integer minus fake-quant accuracy (NoAdapt, clean and severity-5 average) and
+    EVA-0's gain over NoAdapt on each file, in points."""
+    out = {}
+    for b in bits:
+        integer, fake = results[f"w{b}a{b}"], results[f"w{b}a{b} fake"]
+
+        def gain(r: dict) -> float:
+            return r["eva0"]["corrupted_average"] - r["noadapt"]["corrupted_average"]
+
+        out[f"w{b}a{b}"] = {
+            "clean_gap": integer["noadapt"]["clean"] - fake["noadapt"]["clean"],
+            "corrupted_gap": (integer["noadapt"]["corrupted_average"]
+                              - fake["noadapt"]["corrupted_average"]),
+            "eva0_gain_integer": gain(integer), "eva0_gain_fake": gain(fake),
+        }
+    return out
 
 
 def accuracy_markdown(report: dict[str, Any]) -> str:
@@ -122,73 +151,120 @@ def accuracy_markdown(report: dict[str, Any]) -> str:
             f"| {precision} | {r['noadapt']['clean']:.2f} | {r['eva0']['clean']:.2f} | "
             f"{r['noadapt']['corrupted_average']:.2f} | {r['eva0']['corrupted_average']:.2f} |"
         )
+    if report.get("integer_vs_fake"):
+        lines += ["", "| width | integer - fake, clean | integer - fake, sev-5 | EVA-0 gain "
+                  "integer | EVA-0 gain fake |", "|---|---|---|---|---|"]
+        for width, g in report["integer_vs_fake"].items():
+            lines.append(f"| {width} | {g['clean_gap']:+.2f} | {g['corrupted_gap']:+.2f} | "
+                         f"{g['eva0_gain_integer']:+.2f} | {g['eva0_gain_fake']:+.2f} |")
     claim = report["claim"]
     lines += ["", f"{claim['text']}: {claim['eva0_lowest']:.2f} vs {claim['noadapt_fp32']:.2f} "
               f"-> {'holds' if claim['holds'] else 'does not hold'}"]
     return "\n".join(lines) + "\n"
 
 
+SPEED_FILES = (  # (name, scheme, bits, fake_quant)
+    ("ptq4vit w8a8", "ptq4vit", 8, False),
+    ("ptq4vit w6a6", "ptq4vit", 6, False),
+    ("ptq4vit w8a8 fake", "ptq4vit", 8, True),
+    ("int8 w8a8", "int8", 8, False),  # ORT's static min-max quantization, no search
+)
+
+
+def _quantize_measured(fp32: str, path: str, bits: int, calibration_path: str, scheme: str,
+                       fake: bool) -> dict[str, float]:
+    """Quantize in this (fresh) process; its wall time (s) and peak RSS (MiB)."""
+    start = time.perf_counter()
+    quantize_model(fp32, path, bits, np.load(calibration_path), scheme, fake_quant=fake)
+    return {"seconds": time.perf_counter() - start,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
 def run_speed(
-    model: str | None, arch: str | None, batch: int, repeats: int, warmup: int,
+    model: str | None, arch: str | None, batches: list[int], repeats: int, warmup: int,
     threads: int | None, out_dir: Path,
 ) -> dict[str, Any]:
-    """Time EVA-0 steps and NoAdapt forwards on FP32, int8 W8A8 / W6A6 and PTQ4ViT W8A8 files
-    of ``model`` (calibrated on clean train images) or of ``arch`` with random weights
-    (calibrated on random images)."""
+    """Quantize ``model`` (calibrated on clean train images) or ``arch`` with random weights
+    (calibrated on random images) into every SPEED_FILES entry, each in its own process (time
+    and peak RSS), then time NoAdapt forwards and EVA-0 steps on every file at every batch size,
+    interleaved round-robin after warm-up; medians, and ratios to FP32 NoAdapt."""
     if model:
         fp32, calibration = model, calibration_images(model)
     else:
         fp32 = str(export_random(arch, cache_dir() / "bench-models"))
         calibration = random_batch(read_metadata(fp32), CALIBRATION_IMAGES, seed=1)
     metadata = read_metadata(fp32)
+    calibration_path = out_dir / "calibration.npy"
+    np.save(calibration_path, calibration)
     stem = Path(fp32).stem
     files = {"fp32": fp32}
-    for scheme, b in (("int8", 8), ("int8", 6), ("ptq4vit", 8)):
-        path = out_dir / f"{stem}.{scheme}-w{b}a{b}.onnx"
-        quantize_model(fp32, path, b, calibration, scheme)
-        files[f"{scheme} w{b}a{b}"] = str(path)
-    x = random_batch(metadata, batch)
-    steps = {}
-    for name, path in files.items():
-        for method in ("noadapt", "eva0"):
-            model = AdaptiveModel.load(path, method, seed=0, provider="cpu", threads=threads)
-            steps[(name, method)] = (lambda m=model: m.step(x))
-    for step in steps.values():
-        for _ in range(warmup):
-            step()
-    samples: dict[tuple[str, str], list[float]] = {key: [] for key in steps}
+    quantize_cost = {}
+    spawn = multiprocessing.get_context("spawn")
+    for name, scheme, bits, fake in SPEED_FILES:
+        path = out_dir / f"{stem}.{name.replace(' ', '-')}.onnx"
+        with spawn.Pool(1) as pool:
+            quantize_cost[name] = pool.apply(_quantize_measured, (
+                fp32, str(path), bits, str(calibration_path), scheme, fake))
+        print(f"quantized {name} in {quantize_cost[name]['seconds']:.0f} s, peak RSS "
+              f"{quantize_cost[name]['peak_rss_mib']:.0f} MiB", flush=True)
+        files[name] = str(path)
+    sizes = {name: Path(path).stat().st_size / 2**20 for name, path in files.items()}
+    models = {(name, method): AdaptiveModel.load(path, method, seed=0, provider="cpu",
+                                                 threads=threads)
+              for name, path in files.items() for method in ("noadapt", "eva0")}
     env = environment()
-    for _ in range(repeats):
-        for key, step in steps.items():
-            start = time.perf_counter()
-            step()
-            samples[key].append(1000 * (time.perf_counter() - start) / batch)
     rows = []
-    for (name, method), times in samples.items():
-        median = float(np.median(times))
-        base = float(np.median(samples[("fp32", method)]))
-        rows.append({"precision": name, "method": method, "batch": batch,
-                     "ms_per_sample": median, "speedup_vs_fp32": base / median,
-                     "samples_ms": times})
-    return {"architecture": metadata.architecture, "model": Path(fp32).name, "batch": batch,
-            "repeats": repeats, "warmup": warmup,
-            "threads": threads or "ort default", "environment_start": env,
+    for batch in batches:
+        x = random_batch(metadata, batch)
+        for model_ in models.values():
+            for _ in range(warmup):
+                model_.step(x)
+        samples: dict[tuple[str, str], list[float]] = {key: [] for key in models}
+        for _ in range(repeats):
+            for key, model_ in models.items():
+                start = time.perf_counter()
+                model_.step(x)
+                samples[key].append(1000 * (time.perf_counter() - start) / batch)
+        base = float(np.median(samples[("fp32", "noadapt")]))
+        for (name, method), times in samples.items():
+            median = float(np.median(times))
+            rows.append({"precision": name, "method": method, "batch": batch,
+                         "ms_per_sample": median, "vs_fp32_noadapt": median / base,
+                         "samples_ms": times})
+        print(f"batch {batch}: " + ", ".join(
+            f"{r['precision']} {r['method']} {r['vs_fp32_noadapt']:.2f}x"
+            for r in rows if r["batch"] == batch), flush=True)
+    return {"architecture": metadata.architecture, "model": Path(fp32).name, "batches": batches,
+            "repeats": repeats, "warmup": warmup, "threads": threads or "ort default",
+            "size_mib": sizes, "quantize": quantize_cost, "environment_start": env,
             "environment_end": environment(), "rows": rows}
 
 
 def speed_markdown(report: dict[str, Any]) -> str:
+    names = list(report["size_mib"])
     lines = [
-        f"## Quantized speed: {report['architecture']} ({report['model']}), batch "
-        f"{report['batch']}",
+        f"## Quantized speed: {report['architecture']} ({report['model']})",
         "",
         machine_line(report),
         "",
-        "| precision | method | ms / sample | speed-up vs FP32 |",
-        "|---|---|---|---|",
+        "Time per sample relative to FP32 NoAdapt at the same batch size (medians of "
+        f"{report['repeats']} interleaved repetitions).",
+        "",
+        "| file | size MiB | quantize s | quantize peak RSS MiB | "
+        + " | ".join(f"NoAdapt B={b} | EVA-0 B={b}" for b in report["batches"]) + " |",
+        "|---|---|---|---|" + "---|---|" * len(report["batches"]),
     ]
-    for r in report["rows"]:
-        lines.append(f"| {r['precision']} | {r['method']} | {r['ms_per_sample']:.2f} | "
-                     f"{r['speedup_vs_fp32']:.2f}x |")
+    for name in names:
+        cost = report["quantize"].get(name)
+        cells = [f"{report['size_mib'][name]:.1f}",
+                 f"{cost['seconds']:.0f}" if cost else "-",
+                 f"{cost['peak_rss_mib']:.0f}" if cost else "-"]
+        for b in report["batches"]:
+            for method in ("noadapt", "eva0"):
+                r = next(r for r in report["rows"] if r["precision"] == name
+                         and r["method"] == method and r["batch"] == b)
+                cells.append(f"{r['vs_fp32_noadapt']:.2f}x ({r['ms_per_sample']:.1f} ms)")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -210,16 +286,20 @@ def _plot_accuracy(report: dict[str, Any], path: Path) -> None:
 
 def _plot_speed(report: dict[str, Any], path: Path) -> None:
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    precisions = list(dict.fromkeys(r["precision"] for r in report["rows"]))
-    for offset, method in ((-0.2, "noadapt"), (0.2, "eva0")):
-        values = [next(r["ms_per_sample"] for r in report["rows"]
-                       if r["precision"] == p and r["method"] == method) for p in precisions]
-        ax.bar(np.arange(len(precisions)) + offset, values, 0.4, label=method)
-    ax.set_xticks(range(len(precisions)), precisions)
-    ax.set_ylabel("ms per sample")
-    ax.legend()
-    ax.set_title(f"{report['architecture']}, batch {report['batch']}")
+    batches = report["batches"]
+    fig, axes = plt.subplots(1, len(batches), figsize=(4 * len(batches), 4), squeeze=False)
+    precisions = list(report["size_mib"])
+    for ax, batch in zip(axes[0], batches, strict=True):
+        for offset, method in ((-0.2, "noadapt"), (0.2, "eva0")):
+            values = [next(r["vs_fp32_noadapt"] for r in report["rows"] if r["precision"] == p
+                           and r["method"] == method and r["batch"] == batch)
+                      for p in precisions]
+            ax.bar(np.arange(len(precisions)) + offset, values, 0.4, label=method)
+        ax.set_xticks(range(len(precisions)), precisions, rotation=30, fontsize=7)
+        ax.set_ylabel("time / FP32 NoAdapt")
+        ax.set_title(f"batch {batch}")
+        ax.legend(fontsize=8)
+    fig.suptitle(report["architecture"])
     save_figure(fig, path)
 
 
@@ -236,8 +316,8 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("speed")
     p.add_argument("--model", help="adaptable .onnx file (default: --arch, random weights)")
     p.add_argument("--arch", default="vit_base_patch16_224")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int)
     p.add_argument("--out", required=True)
@@ -252,8 +332,8 @@ def main(argv: list[str] | None = None) -> None:
         write_outputs(out, "quant_accuracy", report, text, _plot_accuracy)
         print(f"report: {out}/quant_accuracy.md, .json, .png")
     else:
-        report = run_speed(args.model, args.arch, args.batch, args.repeats, args.warmup,
-                           args.threads, out)
+        report = run_speed(args.model, args.arch, [int(b) for b in args.batch_sizes.split(",")],
+                           args.repeats, args.warmup, args.threads, out)
         text = speed_markdown(report)
         print(text)
         write_outputs(out, "quant_speed", report, text, _plot_speed)
