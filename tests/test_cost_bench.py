@@ -84,13 +84,18 @@ def test_quant_and_serve_benchmarks_write_their_outputs(tmp_path):
     quant_eval.main(["accuracy", "--model", model, "--limit", "20", "--threads", "1",
                      "--out", str(tmp_path / "acc")])
     report = json.loads((tmp_path / "acc" / "quant_accuracy.json").read_text())
-    assert set(report["results"]) == {"fp32", "w8a8", "w6a6"}
+    assert set(report["results"]) == {"fp32", "w8a8", "w8a8 fake", "w6a6", "w6a6 fake"}
+    assert set(report["integer_vs_fake"]) == {"w8a8", "w6a6"}
     assert len(report["results"]["w6a6"]["eva0"]["corrupted"]) == 15
     assert isinstance(report["claim"]["holds"], bool)
-    quant_eval.main(["speed", "--model", model, "--batch", "4", "--repeats", "1", "--warmup", "1",
-                     "--threads", "1", "--out", str(tmp_path / "speed")])
-    rows = json.loads((tmp_path / "speed" / "quant_speed.json").read_text())["rows"]
-    assert {r["precision"] for r in rows} == {"fp32", "int8 w8a8", "int8 w6a6", "ptq4vit w8a8"}
+    quant_eval.main(["speed", "--model", model, "--batch-sizes", "1,4", "--repeats", "1",
+                     "--warmup", "1", "--threads", "1", "--out", str(tmp_path / "speed")])
+    speed = json.loads((tmp_path / "speed" / "quant_speed.json").read_text())
+    files = {"fp32", "ptq4vit w8a8", "ptq4vit w6a6", "ptq4vit w8a8 fake", "int8 w8a8"}
+    assert {r["precision"] for r in speed["rows"]} == files == set(speed["size_mib"])
+    assert {(r["precision"], r["batch"]) for r in speed["rows"]} == {
+        (f, b) for f in files for b in (1, 4)}
+    assert all(c["seconds"] > 0 and c["peak_rss_mib"] > 50 for c in speed["quantize"].values())
     assert (tmp_path / "speed" / "quant_speed.png").stat().st_size > 10_000
     serve_load.main(["--model", model, "--concurrency", "1,2", "--methods", "eva0",
                      "--requests", "3", "--warmup", "1", "--threads", "1",
