@@ -247,8 +247,7 @@ def speed_markdown(report: dict[str, Any]) -> str:
         "",
         machine_line(report),
         "",
-        "Time per sample relative to FP32 NoAdapt at the same batch size (medians of "
-        f"{report['repeats']} interleaved repetitions).",
+        "Time per sample relative to FP32 NoAdapt at the same batch size.",
         "",
         "| file | size MiB | quantize s | quantize peak RSS MiB | "
         + " | ".join(f"NoAdapt B={b} | EVA-0 B={b}" for b in report["batches"]) + " |",

@@ -108,7 +108,7 @@ def uniform_batch(n: int, seed: int = 0, size=(3, 32, 32)):
 # processes, the Fashion-MNIST split and the benchmarks. `make test-fast` leaves them out.
 INTEGRATION_FIXTURES = {
     "small_vit", "small_resnet_gn", "prompt_vit", "wide_prompt_vit", "small_model",
-    "calibrated_vit", "server", "fmnist_clean",
+    "calibrated_vit", "server", "fmnist_clean", "fmnist_vit_images",
 }
 INTEGRATION_MODULES = {
     "tests.test_serve", "tests.test_hostile", "tests.test_testbed", "tests.test_cost_bench",
