@@ -17,9 +17,6 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
 
     from . import quantize_model
 
-    if args.fake_quant and args.scheme != "ptq4vit":
-        raise ValueError("--fake-quant writes the ptq4vit simulation; --scheme int8 is "
-                         "integer only")
     metadata = read_metadata(args.model)
     stream = open_input(args.calib, metadata.preprocessing)
     if len(stream) < args.calib_images:

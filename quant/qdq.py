@@ -30,41 +30,19 @@ does not have, 8-bit at every weight width: it is the kernel's output container)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from .points import WeightPoint
-from .quantizers import Quantizer, gelu_zero_point
+from .quantizers import NodeBuilder, Quantizer, gelu_zero_point
 
 ZERO_POINT = 128
 OUTPUT_BITS = 8
 
 
-@dataclass
-class _Graph:
-    """Collects the nodes and initializers of the integer encoding under unique names."""
-
-    nodes: list = field(default_factory=list)
-    initializers: list = field(default_factory=list)
-    count: int = 0
-
-    def name(self, prefix: str, what: str) -> str:
-        self.count += 1
-        return f"{prefix}/{what}_{self.count}"
-
-    def const(self, prefix: str, what: str, value: np.ndarray) -> str:
-        name = self.name(prefix, what)
-        self.initializers.append(numpy_helper.from_array(np.asarray(value), name))
-        return name
-
-    def op(self, op_type: str, inputs: list[str], prefix: str, what: str,
-           out: str | None = None, **attrs) -> str:
-        out = out or self.name(prefix, what)
-        self.nodes.append(helper.make_node(op_type, inputs, [out], name=out, **attrs))
-        return out
+class _Graph(NodeBuilder):
+    """Nodes of the integer encoding: :class:`NodeBuilder` plus QDQ chains."""
 
     def qdq(self, x: str, prefix: str, scale: np.ndarray, zero: np.ndarray,
             clip: tuple[int, int] | None, axis: int | None = None, out: str | None = None) -> str:

@@ -96,59 +96,63 @@ class Quantizer:
         return out
 
 
-class _Builder:
-    """Appends nodes and constants with unique names under ``prefix``."""
+class NodeBuilder:
+    """Collects ONNX nodes and initializers under unique names ``<prefix>/<what>_<n>``."""
 
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
+    def __init__(self) -> None:
         self.nodes: list = []
         self.initializers: list = []
         self._count = 0
 
-    def name(self, what: str) -> str:
+    def name(self, prefix: str, what: str) -> str:
         self._count += 1
-        return f"{self.prefix}/{what}_{self._count}"
+        return f"{prefix}/{what}_{self._count}"
 
-    def const(self, value, what: str) -> str:
-        name = self.name(what)
-        self.initializers.append(numpy_helper.from_array(np.asarray(value, np.float32), name))
+    def const(self, prefix: str, what: str, value: np.ndarray) -> str:
+        """An initializer holding ``value`` (its dtype kept); returns its name."""
+        name = self.name(prefix, what)
+        self.initializers.append(numpy_helper.from_array(np.asarray(value), name))
         return name
 
-    def op(self, op_type: str, inputs: list[str], what: str) -> str:
-        out = self.name(what)
-        self.nodes.append(helper.make_node(op_type, inputs, [out], name=out))
+    def op(self, op_type: str, inputs: list[str], prefix: str, what: str,
+           out: str | None = None, **attrs) -> str:
+        """A node writing tensor ``out`` (a fresh name by default); returns that name."""
+        out = out or self.name(prefix, what)
+        self.nodes.append(helper.make_node(op_type, inputs, [out], name=out, **attrs))
         return out
 
 
-def _fake(b: _Builder, x: str, scale, low: float, high: float) -> str:
+def _fake(b: NodeBuilder, prefix: str, x: str, scale, low: float, high: float) -> str:
     """clip(round(x / scale), low, high) * scale as ONNX nodes."""
-    s = b.const(scale, "scale")
-    q = b.op("Round", [b.op("Div", [x, s], "div")], "round")
-    q = b.op("Clip", [q, b.const(low, "low"), b.const(high, "high")], "clip")
-    return b.op("Mul", [q, s], "dequant")
+    s = b.const(prefix, "scale", np.asarray(scale, np.float32))
+    q = b.op("Round", [b.op("Div", [x, s], prefix, "div")], prefix, "round")
+    q = b.op("Clip", [q, b.const(prefix, "low", np.float32(low)),
+                      b.const(prefix, "high", np.float32(high))], prefix, "clip")
+    return b.op("Mul", [q, s], prefix, "dequant")
 
 
 def onnx_nodes(quantizer: Quantizer, x: str, prefix: str) -> tuple[list, list, str]:
     """(nodes, initializers, output name) computing ``quantizer`` on tensor ``x``."""
-    b = _Builder(prefix)
+    b = NodeBuilder()
     bits = quantizer.bits
     levels = 2 ** (bits - 1)
     if quantizer.kind == "uniform":
-        out = _fake(b, x, quantizer.scale, -levels, levels - 1)
+        out = _fake(b, prefix, x, quantizer.scale, -levels, levels - 1)
     elif quantizer.kind == "twin_softmax":
         d2 = 1.0 / levels
         d1 = d2 / 2**quantizer.m
-        fine = _fake(b, x, d1, 0, levels - 1)
-        coarse = _fake(b, x, d2, 0, levels - 1)
-        cond = b.op("Less", [x, b.const(levels * d1, "threshold")], "in_r1")
-        out = b.op("Where", [cond, fine, coarse], "twin")
+        fine = _fake(b, prefix, x, d1, 0, levels - 1)
+        coarse = _fake(b, prefix, x, d2, 0, levels - 1)
+        threshold = b.const(prefix, "threshold", np.float32(levels * d1))
+        cond = b.op("Less", [x, threshold], prefix, "in_r1")
+        out = b.op("Where", [cond, fine, coarse], prefix, "twin")
     elif quantizer.kind == "twin_gelu":
         d1 = GELU_MIN / levels
         d2 = d1 * 2**quantizer.m
-        negative = _fake(b, x, d1, -levels, 0)
-        positive = _fake(b, x, d2, 0, levels - 1)
-        cond = b.op("Less", [x, b.const(0.0, "zero")], "negative")
-        out = b.op("Where", [cond, negative, positive], "twin")
+        negative = _fake(b, prefix, x, d1, -levels, 0)
+        positive = _fake(b, prefix, x, d2, 0, levels - 1)
+        cond = b.op("Less", [x, b.const(prefix, "zero", np.float32(0.0))], prefix, "negative")
+        out = b.op("Where", [cond, negative, positive], prefix, "twin")
     else:
         raise ValueError(f"unknown quantizer kind {quantizer.kind!r}")
     return b.nodes, b.initializers, out
