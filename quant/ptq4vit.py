@@ -182,7 +182,7 @@ def quantize_ptq4vit(
         "bits": bits,
         "encoding": "fake quant (float simulation)" if fake_quant else (
             "integer QDQ: int8 weights per output channel, uint8 activations (zero point 128; "
-            "twin GELU: one coarse uint8 code)"),
+            "twin GELU: one asymmetric uint8 code with a searched step)"),
         "weights": "per output channel",
         "calibration_images": int(len(calibration)),
         "activation_quantizers": dict(Counter(q.kind for q in found.quantizers.values())),

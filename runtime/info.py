@@ -20,6 +20,16 @@ def _source_stats(metadata: ModelMetadata) -> str:
     return "yes (no classifier-input mean: recalibrate for the ViT's activation shift)"
 
 
+def _quantization(quant: dict) -> str:
+    """'none (float32)', or the scheme, width and encoding the quantizer recorded."""
+    if not quant:
+        return "none (float32)"
+    bits = quant.get("bits")
+    width = f" W{bits}A{bits}" if bits else ""
+    encoding = f"; {quant['encoding']}" if quant.get("encoding") else ""
+    return f"{quant.get('scheme', '?')}{width}{encoding}"
+
+
 def describe(metadata: ModelMetadata, *, full: bool = False) -> str:
     """A multi-line report of ``metadata``; ``full`` lists every theta segment."""
     pre = metadata.preprocessing
@@ -42,7 +52,7 @@ def describe(metadata: ModelMetadata, *, full: bool = False) -> str:
         f"shared prefix    {metadata.prefix} (runs once per image)",
         f"features         [R, {metadata.num_features}] from {len(metadata.feature_layout)} taps",
         f"source stats     {_source_stats(metadata)}",
-        f"quantization     {quant.get('scheme', 'none (float32)')}",
+        f"quantization     {_quantization(quant)}",
         f"recommended      {metadata.recommended or '-'}",
         f"tuned per method {metadata.tuned or '-'}",
         f"format version   {metadata.format_version}",

@@ -212,6 +212,8 @@ def test_quantize_cli(calibrated_vit, tmp_path, capsys):
     assert "ptq4vit W6A6 (integer kernels)" in captured.out
     assert "searching scales" in captured.err and "layer" in captured.err  # the progress bar
     assert read_metadata(out).quantization["calibration_images"] == 32
+    assert main(["info", "--model", str(out)]) == 0
+    assert "ptq4vit W6A6; integer QDQ" in capsys.readouterr().out
     assert main(["quantize", "--model", str(out), "--bits", "8", "--calib",
                  str(tmp_path / "calib.npy"), "-o", str(tmp_path / "again.onnx")]) == 2
     assert "already quantized" in capsys.readouterr().err
