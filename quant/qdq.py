@@ -22,10 +22,12 @@ Per layer input (see :mod:`points`):
   the twin's and its negative range coarser (an approximation of the simulation, measured by
   the tests and the bench); at 6 bits the code is clipped to [0, 63].
 
-ONNX Runtime fuses DequantizeLinear -> MatMul into ``MatMulIntegerToFloat``; Conv and Gemm
-need a quantized output for ``QLinearConv`` / ``QGemm``, so their outputs get an 8-bit
-uint8 QDQ with a scale searched on the calibration outputs (an extra rounding the simulation
-does not have, 8-bit at every weight width: it is the kernel's output container).
+ONNX Runtime fuses DequantizeLinear -> MatMul into ``MatMulIntegerToFloat``; a plain Gemm (the
+head) is rewritten as MatMul + Add to fuse the same way. Conv needs a quantized output for
+``QLinearConv``, so the convs the caller names (``output_scales``: a ResNet's, not the stem)
+get an 8-bit uint8 output QDQ with a scale searched on the calibration outputs (an extra
+rounding the simulation does not have, 8-bit at every weight width: it is the kernel's output
+container).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .points import WeightPoint
-from .quantizers import NodeBuilder, Quantizer, gelu_zero_point
+from .quantizers import NodeBuilder, Quantizer, gelu_zero_point, uniform_codes
 
 ZERO_POINT = 128
 OUTPUT_BITS = 8
@@ -101,13 +103,6 @@ def activation_nodes(quantizer: Quantizer, x: str, prefix: str) -> tuple[list, l
     return g.nodes, g.initializers, out
 
 
-def integer_weight(weight: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
-    """int8 codes ``clip(round(w / s), -2^(k-1), 2^(k-1) - 1)`` of a float weight; ``scales``
-    broadcasts over ``weight`` (per output channel)."""
-    levels = 2 ** (bits - 1)
-    return np.clip(np.round(weight / scales), -levels, levels - 1).astype(np.int8)
-
-
 def _plain_gemm(node: onnx.NodeProto) -> bool:
     """A Gemm that is ``A @ B(^T) + C`` (no transA, alpha = beta = 1): rewritable as MatMul."""
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
@@ -135,7 +130,7 @@ def write_integer(
     for point in weights:
         weight = numpy_helper.to_array(by_name[point.tensor]).astype(np.float32)
         scales = weight_scales[point.tensor]
-        codes, axis = integer_weight(weight, scales, bits), point.axis
+        codes, axis = uniform_codes(weight, scales, bits).astype(np.int8), point.axis
         if point.node in as_matmul and axis == 0:  # B^T stored [N, K]: store B [K, N]
             codes, axis = codes.T, 1
         prefix = f"quant/{point.tensor}"

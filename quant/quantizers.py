@@ -23,10 +23,15 @@ from onnx import helper, numpy_helper
 GELU_MIN = 0.17
 
 
+def uniform_codes(x: np.ndarray, scale: np.ndarray | float, bits: int) -> np.ndarray:
+    """The symmetric signed k-bit codes ``clip(round(x / scale), -2^(k-1), 2^(k-1) - 1)``
+    (float values; the integer encoding stores them as int8)."""
+    return np.clip(np.round(x / scale), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+
+
 def uniform(x: np.ndarray, scale: np.ndarray | float, bits: int) -> np.ndarray:
     """Symmetric signed k-bit fake quantization of ``x`` with step ``scale``."""
-    low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
-    return np.clip(np.round(x / scale), low, high) * scale
+    return uniform_codes(x, scale, bits) * scale
 
 
 def _clipped(x: np.ndarray, scale: float, low: int, high: int) -> np.ndarray:

@@ -20,8 +20,8 @@ from .quantizers import GELU_MIN, Quantizer, integer_gelu, twin_softmax, uniform
 ALPHAS = np.linspace(0.3, 1.2, 10)  # candidate scales: alpha * max|x| / (2^(k-1) - 1)
 TWIN_M = range(0, 12)
 MAX_ROWS = 512  # rows (tokens, output positions) a linear layer is scored on
-ATTENTION_IMAGES = 8  # images and query rows of an attention MatMul the search scores on
-ATTENTION_ROWS = 64
+ATTENTION_IMAGES = 8  # images of an attention MatMul's operands the search scores on
+ATTENTION_ROWS = 64  # rows (queries) of its first operand
 
 
 def _cosine(a: np.ndarray, b: np.ndarray, axis=None) -> np.ndarray:
