@@ -77,6 +77,10 @@ class AdaptiveModel:
 
     >>> model = AdaptiveModel.load("vit.onnx", method="eva0", seed=0)
     >>> logits = model.step(x)  # predicts and adapts; x: [B, C, H, W] normalised float32
+
+    ``prefetch``: draw the next step's perturbations on a worker thread while ORT runs the
+    current one (the same numbers; default: on CUDA only, see
+    :class:`~.estimator.ZerothOrderEstimator`).
     """
 
     def __init__(
@@ -85,6 +89,7 @@ class AdaptiveModel:
         method: str = "eva0",
         config: dict[str, Any] | None = None,
         seed: int = 0,
+        prefetch: bool | None = None,
     ) -> None:
         method, fp = parse_method(method)
         if method not in METHODS:
@@ -106,7 +111,8 @@ class AdaptiveModel:
             else None
         )
         self.estimator = ZerothOrderEstimator(
-            session, self.config, Objective(self.config, self._source_stats)
+            session, self.config, Objective(self.config, self._source_stats),
+            prefetch=session.device == "cuda" if prefetch is None else prefetch,
         )
         self.shift = self._load_shift("activation_shift" in {**fp, **(config or {})})
         self.limits = self._state_limits()
@@ -152,11 +158,12 @@ class AdaptiveModel:
     @classmethod
     def load(
         cls, path: str | os.PathLike, method: str = "eva0",
-        config: dict[str, Any] | None = None, seed: int = 0, **session: Any,
+        config: dict[str, Any] | None = None, seed: int = 0, prefetch: bool | None = None,
+        **session: Any,
     ) -> AdaptiveModel:
         """Open an adaptable ``.onnx`` file with ONNX Runtime; ``session``: the options of
         :class:`AdaptableSession` (``provider``, ``threads``, ``low_memory``, ``io_binding``)."""
-        return cls(AdaptableSession(path, None, **session), method, config, seed)
+        return cls(AdaptableSession(path, None, **session), method, config, seed, prefetch)
 
     @property
     def method(self) -> str:

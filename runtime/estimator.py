@@ -13,7 +13,7 @@ import numpy as np
 
 from .config import AdaptConfig
 from .losses import sample_wise_alignment, shortcut_resistant_scores, softmax_entropy
-from .perturbation import PerturbationPlan, anchor_direction
+from .perturbation import NormalPrefetch, PerturbationPlan, anchor_direction
 from .session import AdaptableSession
 from .state import AdaptState
 from .stepcontrol import ClippedCoefficients, clip_coefficients
@@ -73,14 +73,21 @@ class Objective:
 
 
 class ZerothOrderEstimator:
-    """Estimates the gradient of the objective at theta from one ORT call (#FP x B rows)."""
+    """Estimates the gradient of the objective at theta from one ORT call (#FP x B rows).
+
+    ``prefetch``: draw the next step's normal rows on a worker thread while ORT runs this
+    step's call (the same rows, see :class:`~.perturbation.NormalPrefetch`); it pays where ORT
+    leaves the host idle (CUDA), not where ORT's threads hold every core (CPU). Never with
+    ``regenerate_z``, whose point is not to hold Z."""
 
     def __init__(
-        self, session: AdaptableSession, config: AdaptConfig, objective: Objective
+        self, session: AdaptableSession, config: AdaptConfig, objective: Objective,
+        prefetch: bool = False,
     ) -> None:
         self.session = session
         self.config = config
         self.objective = objective
+        self.prefetch = NormalPrefetch() if prefetch and not config.regenerate_z else None
 
     def estimate(
         self, x: np.ndarray, state: AdaptState, seed: int, step_index: int, n_anchor: int,
@@ -98,10 +105,14 @@ class ZerothOrderEstimator:
             else np.zeros_like(st.theta)
         )
         pairs = cfg.forwards // 2
+        size = st.theta.size
+        ahead = self.prefetch.take(seed, step_index, size) if self.prefetch else None
         plan = PerturbationPlan.create(
-            seed, step_index, pairs * (batch if cfg.sample_wise else 1), n_anchor, d_bar
+            seed, step_index, pairs * (batch if cfg.sample_wise else 1), n_anchor, d_bar, ahead
         )
         rows, z_all = self._perturbed_rows(plan, st.theta, batch, pairs)
+        if self.prefetch:  # the next step's rows, drawn while ORT runs this one
+            self.prefetch.start(seed, step_index + 1, plan.rows, size)
         logits, features = self.session.run(x, rows)
         self.session.counter.samples += batch
         half = pairs * batch  # rows j * B + i: pair j, sample i (each half copy-major)

@@ -183,8 +183,8 @@ class AdaptableSession:
                 f"onnxruntime could not start {self.providers[0]} for {path} (it fell back to "
                 f"{self.session.get_providers()}); check the CUDA and cuDNN libraries"
             )
-        device = "cuda" if self.providers[0] == PROVIDERS["cuda"] else "cpu"
-        self.binder = BoundRunner(self.session, device) if io_binding else None
+        self.device = "cuda" if self.providers[0] == PROVIDERS["cuda"] else "cpu"
+        self.binder = BoundRunner(self.session, self.device) if io_binding else None
         sessions = [self.session] if self.parts is None else [self.parts.prefix, self.parts.suffix]
         names = {i.name for session in sessions for i in session.get_inputs()}
         self.adapted_input = metadata.adapted_input

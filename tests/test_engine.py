@@ -173,6 +173,25 @@ def test_regenerated_perturbations_equal_stored_ones(calibrated_vit):
     np.testing.assert_allclose(results[0], results[1], atol=1e-7)
 
 
+def test_prefetched_perturbations_give_the_same_run(calibrated_vit):
+    """Drawing the next step's rows during this step's ORT call changes no number: batch sizes
+    that change (the drawn-ahead rows too few or too many), anchor rows, a shared z."""
+    batches = [8, 8, 3, 16, 1, 1, 8]
+    for config in ({"anchor_per_64": 16}, {"sample_wise": False}):
+        runs = []
+        for prefetch in (False, True):
+            model = AdaptiveModel.load(calibrated_vit, "eva0", {"eta": 0.01, **config}, seed=4,
+                                       prefetch=prefetch, provider="cpu")
+            assert (model.estimator.prefetch is not None) == prefetch
+            outs = [model.step(uniform_batch(b, s)) for s, b in enumerate(batches)]
+            if prefetch:  # every step after the first took its rows from the one before
+                assert model.estimator.prefetch.hits == len(batches) - 1
+            runs.append((model.state.theta.copy(), np.concatenate(outs)))
+        np.testing.assert_array_equal(runs[0][0], runs[1][0])
+        np.testing.assert_array_equal(runs[0][1], runs[1][1])
+        assert not np.array_equal(runs[0][0], read_metadata(calibrated_vit).theta0)
+
+
 def test_state_round_trip_gives_identical_next_step(calibrated_vit, tmp_path):
     cfg = {"eta": 0.01, "momentum": 0.9, "balance_beta": 0.9}
     model = AdaptiveModel.load(calibrated_vit, "eva0", cfg, seed=3, provider="cpu")

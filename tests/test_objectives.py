@@ -10,7 +10,13 @@ from eva0_edge.runtime.losses import (
     shortcut_resistant_scores,
     softmax_entropy,
 )
-from eva0_edge.runtime.perturbation import AnchorShare, PerturbationPlan, anchor_direction
+from eva0_edge.runtime.perturbation import (
+    AnchorShare,
+    DrawnNormals,
+    NormalPrefetch,
+    PerturbationPlan,
+    anchor_direction,
+)
 
 
 def test_entropy_matches_definition():
@@ -130,3 +136,31 @@ def test_regenerated_chunks_equal_one_draw(chunk):
     np.testing.assert_array_equal(whole, again)
     other = PerturbationPlan.create(seed=1, step=3, rows=8, n_anchor=3, d_bar=d_bar).draw()
     assert not np.array_equal(whole, other)
+
+
+@pytest.mark.parametrize("ahead_rows", [0, 2, 5, 8, 11])
+@pytest.mark.parametrize("chunk", [3, 8])
+def test_rows_drawn_ahead_equal_the_steps_own(ahead_rows, chunk):
+    """Rows drawn ahead (fewer, as many or more than the plan's normal rows) and the stream
+    continued after them give the Z of a plan that draws everything itself."""
+    d_bar = np.linspace(-1, 1, 33).astype(np.float32)
+    own = PerturbationPlan.create(seed=5, step=9, rows=8, n_anchor=3, d_bar=d_bar).draw()
+    ahead = DrawnNormals.draw(5, 9, ahead_rows, 33)
+    plan = PerturbationPlan.create(seed=5, step=9, rows=8, n_anchor=3, d_bar=d_bar, ahead=ahead)
+    np.testing.assert_array_equal(np.concatenate([z for _, z in plan.chunks(chunk)]), own)
+    np.testing.assert_array_equal(plan.draw(), own)
+
+
+def test_rows_drawn_for_another_step_are_refused_or_dropped():
+    d_bar = np.ones(4, dtype=np.float32)
+    with pytest.raises(ValueError, match="step 3"):
+        PerturbationPlan.create(1, 2, 4, 0, d_bar, ahead=DrawnNormals.draw(1, 3, 4, 4)).draw()
+    prefetch = NormalPrefetch()
+    prefetch.start(seed=1, step=3, count=4, size=4)
+    assert prefetch.take(seed=1, step=2, size=4) is None
+    prefetch.start(seed=1, step=3, count=4, size=4)
+    assert prefetch.take(seed=1, step=3, size=5) is None
+    prefetch.start(seed=1, step=3, count=4, size=4)
+    drawn = prefetch.take(seed=1, step=3, size=4)
+    np.testing.assert_array_equal(drawn.rows, DrawnNormals.draw(1, 3, 4, 4).rows)
+    assert prefetch.take(seed=1, step=3, size=4) is None
