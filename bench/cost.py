@@ -55,10 +55,13 @@ COST_METHODS = (*RUNTIME_METHODS, *(f"eva0{suffix}" for suffix in SESSION_MODES)
 PROMPT_TOKENS = 3
 
 
-def session_mode(name: str) -> tuple[str, dict[str, bool]]:
+def session_mode(name: str) -> tuple[str, dict[str, bool | None]]:
     """``name`` without its session-mode suffixes, and the session flags they set:
-    ``eva0-lowmem-iob`` -> (``eva0``, {low_memory: True, io_binding: True})."""
-    flags = dict.fromkeys(SESSION_MODES.values(), False)
+    ``eva0-lowmem-iob`` -> (``eva0``, {low_memory: True, io_binding: True, split: False}).
+    Without ``-iob`` IOBinding is the session's default (on for CUDA, off for the CPU), so
+    ``eva0-split`` on CUDA is the product's default CUDA mode."""
+    flags: dict[str, bool | None] = dict.fromkeys(SESSION_MODES.values(), False)
+    flags["io_binding"] = None
     stripped = True
     while stripped:
         stripped = False
@@ -117,6 +120,10 @@ class CostRow:
     ratio_to_noadapt: float | None = None
     peak_rss_mb: float | None = None
     rss_ratio_to_noadapt: float | None = None
+    gpu_load_mb: float | None = None
+    gpu_peak_mb: float | None = None
+    gpu_ratio_to_noadapt: float | None = None
+    gpu_source: str | None = None
     outside_ort_share: float | None = None
     samples: list[float] = field(default_factory=list)
 
@@ -159,18 +166,20 @@ def time_methods(
     return rows
 
 
-def peak_rss_mb(
+def process_memory(
     model_path: str, method: str, batch: int, steps: int, threads: int | None,
     torch_spec: dict | None, prompt_model: str | None = None, provider: str = "cpu",
-) -> float:
-    """Peak RSS (MB) of a fresh process that loads the model and runs ``steps`` steps."""
+) -> dict[str, Any]:
+    """Memory of a fresh process that loads the model and runs ``steps`` steps: its peak RSS
+    (``peak_rss_mb``) and, on CUDA, its GPU memory (``gpu_load_mb``, ``gpu_peak_mb``,
+    ``gpu_source``: see :mod:`.gpumemory`). MiB."""
     cmd = [sys.executable, "-m", "eva0_edge.bench.cost", "--worker", model_path, method,
            str(batch), str(steps), str(threads or 0), json.dumps(torch_spec or {}),
            prompt_model or "", provider]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"memory worker for {method} failed: {out.stderr[-2000:]}")
-    return float(json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mb"])
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def torch_model_loader(torch_spec: dict | None, model_path: str):
@@ -223,9 +232,9 @@ def run_bench(
     prompt_model: str | None = None,
     provider: str = "cpu",
 ) -> dict[str, Any]:
-    """Time every method at every batch size, measure peak memory (host RSS), and return a
-    report dict. The prompt methods run on ``prompt_model``; runtime methods on ORT's
-    ``provider``."""
+    """Time every method at every batch size, measure peak memory (host RSS; on CUDA also GPU
+    memory after load and at peak), and return a report dict. The prompt methods run on
+    ``prompt_model``; runtime methods on ORT's ``provider``."""
     for m in methods:
         check_cost_method(m)
     methods = ["noadapt", *[m for m in methods if m != "noadapt"]]
@@ -240,11 +249,14 @@ def run_bench(
             row.ratio_to_noadapt = row.ms_per_sample / base
         if memory:
             for row in batch_rows:
-                row.peak_rss_mb = peak_rss_mb(model_path, row.method, batch,
-                                              max(3, warmup + 1), threads, torch_spec,
-                                              prompt_model, provider)
+                measured = process_memory(model_path, row.method, batch, max(3, warmup + 1),
+                                          threads, torch_spec, prompt_model, provider)
+                for key, value in measured.items():
+                    setattr(row, key, value)
             for row in batch_rows:
                 row.rss_ratio_to_noadapt = row.peak_rss_mb / batch_rows[0].peak_rss_mb
+                if row.gpu_peak_mb is not None and batch_rows[0].gpu_peak_mb:
+                    row.gpu_ratio_to_noadapt = row.gpu_peak_mb / batch_rows[0].gpu_peak_mb
         rows += batch_rows
         if progress:
             print(f"batch {batch}: " + ", ".join(
@@ -265,25 +277,36 @@ def run_bench(
 
 
 def markdown(report: dict[str, Any]) -> str:
+    gpu = any(r.get("gpu_peak_mb") is not None for r in report["rows"])
+    gpu_head = " GPU MiB load / peak | GPU peak x NoAdapt |" if gpu else ""
     lines = [
         f"## Step cost: {report['architecture']} ({report['model']})",
         "",
         machine_line(report),
         "",
-        "| method | batch | ms / sample | x NoAdapt | peak RSS MB | RSS x NoAdapt | outside ORT |",
-        "|---|---|---|---|---|---|---|",
+        "| method | batch | ms / sample | x NoAdapt | peak RSS MB | RSS x NoAdapt | outside ORT |"
+        + gpu_head,
+        "|---|---|---|---|---|---|---|" + ("---|---|" if gpu else ""),
     ]
-    for r in report["rows"]:
-        def fmt(v, spec):
-            return "-" if v is None else format(v, spec)
 
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    for r in report["rows"]:
+        gpu_cells = (
+            f" {fmt(r.get('gpu_load_mb'), '.0f')} / {fmt(r.get('gpu_peak_mb'), '.0f')} | "
+            f"{fmt(r.get('gpu_ratio_to_noadapt'), '.2f')} |" if gpu else ""
+        )
         lines.append(
             f"| {r['method']} | {r['batch']} | {r['ms_per_sample']:.3f} | "
             f"{fmt(r['ratio_to_noadapt'], '.2f')} | {fmt(r['peak_rss_mb'], '.0f')} | "
             f"{fmt(r['rss_ratio_to_noadapt'], '.2f')} | "
             f"{fmt(r['outside_ort_share'] and 100 * r['outside_ort_share'], '.1f')}"
-            f"{'%' if r['outside_ort_share'] is not None else ''} |"
+            f"{'%' if r['outside_ort_share'] is not None else ''} |" + gpu_cells
         )
+    if gpu:
+        sources = sorted({r["gpu_source"] for r in report["rows"] if r.get("gpu_source")})
+        lines += ["", f"GPU memory read by NVML ({', '.join(sources)}; see bench/gpumemory.py)."]
     return "\n".join(lines) + "\n"
 
 
@@ -326,11 +349,22 @@ def _worker(argv: list[str]) -> None:
     model_path, method, batch, steps, threads, torch_spec, prompt_model, provider = argv
     spec = json.loads(torch_spec)
     loader = torch_model_loader(spec, model_path) if method == "tent" else None
-    step, _ = make_step(method, model_path, int(batch), int(threads) or None, loader,
-                        prompt_model or None, provider)
-    for _ in range(int(steps)):
-        step()
-    print(json.dumps({"peak_rss_mb": process_peak_rss_mb()}))
+
+    def load() -> Callable[[], None]:
+        return make_step(method, model_path, int(batch), int(threads) or None, loader,
+                         prompt_model or None, provider)[0]
+
+    result: dict[str, Any] = {}
+    if provider == "cuda" and method != "tent":
+        from .gpumemory import NvmlReader, gpu_memory_of
+
+        result.update(gpu_memory_of(load, int(steps), NvmlReader()))
+    else:
+        step = load()
+        for _ in range(int(steps)):
+            step()
+    result["peak_rss_mb"] = process_peak_rss_mb()
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ class EvalSpec:
     overrides: dict[str, Any] | None = None
     torch_checkpoint: str | None = None
     provider: str = "auto"
-    io_binding: bool = False
+    io_binding: bool | None = None
     split_sessions: bool | None = None
     memory_budget_mb: float | None = None
     threads: int | None = None

@@ -4,8 +4,12 @@
 # under $EVA0_FMNIST_ROOT. Run from the checkout's root. Random-weight models are exported into
 # $EVA0_CACHE/bench-models first (or found there). Results go to $1/results.tar (re-written
 # after every part, so a run cut short still returns what it finished) and the log to stdout.
-# Parts run most important first (correctness, CUDA costs, CUDA accuracy, then the same
-# machine's CPU), each under its own time limit.
+# Parts run most important first (correctness, CUDA costs, CUDA accuracy, GPU memory, then the
+# same machine's CPU), each under its own time limit. GPU memory needs pynvml (nvidia-ml-py, in
+# the [gpu] extra; on the lent machine: its wheel unzipped into .gpu/pylib, carried).
+# On CUDA, eva0 is one bound call over all rows and eva0-split the default CUDA mode (split
+# sessions through IOBinding, rows per call from the memory budget); both draw the next step's
+# perturbations while ORT runs.
 #   bash bench/gpu_check.sh OUT_DIR
 set -u
 out=${1:?usage: gpu_check.sh OUT_DIR}
@@ -26,7 +30,8 @@ python3 -c "import onnxruntime as o; print(o.__version__, o.__file__, o.get_avai
 run 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
 # an export started beside this run (holding the lock) finishes first
 mkdir -p "${EVA0_CACHE:-/tmp}" && flock "${EVA0_CACHE:-/tmp}/export.lock" true
-gpu_methods=noadapt-iob,eva0,eva0-iob,eva0-split,eva0-lowmem,zoa
+[ -d .gpu/pylib ] && export PYTHONPATH="$PWD/.gpu/pylib${PYTHONPATH:+:$PYTHONPATH}"
+gpu_methods=eva0,eva0-split,eva0-lowmem,zoa,zoa-split
 for arch in resnet50_gn vit_base_patch16_224; do
   extra=""
   [ "$arch" = vit_base_patch16_224 ] && extra=",foa"  # foa-iob beside it: two 896-row arenas ran out of GPU memory
@@ -40,6 +45,11 @@ for model in resnet_gn_fmnist vit_fmnist; do
       --batch-sizes 1,64 --methods noadapt,eva0 --limit 1000 --provider "$provider" \
       --out "$res/eval-$model-$provider" -q
   done
+done
+for arch in resnet50_gn vit_base_patch16_224; do
+  run 150 "${cli[@]}" bench --arch "$arch" --provider cuda --batch-sizes 32 \
+    --methods eva0,eva0-split,eva0-lowmem,zoa-split --repeats 3 --warmup 1 \
+    --out "$res/memory-$arch-cuda" -q
 done
 for arch in resnet50_gn vit_base_patch16_224; do
   run 150 "${cli[@]}" bench --arch "$arch" --provider cpu --batch-sizes 1,8,32 \

@@ -21,7 +21,8 @@ log = logging.getLogger("eva0_edge")
 
 IO_BINDING_HELP = (
     "run ORT through IOBinding: outputs into buffers reused from step to step (on CUDA the "
-    "inputs into reused device buffers)"
+    "inputs into reused device buffers, split sessions' activations kept on the GPU; "
+    "default: on for CUDA, off for the CPU)"
 )
 LOW_MEMORY_HELP = (
     "run the +/- copies as two ORT calls: peak memory of plain inference, the shared prefix "
@@ -89,7 +90,8 @@ def add_runtime_options(p: argparse.ArgumentParser, *, method: bool = True) -> N
     p.add_argument("--batch-size", type=int_in(1), default=64, help="default 64")
     p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"])
     if method:
-        p.add_argument("--io-binding", action="store_true", help=IO_BINDING_HELP)
+        p.add_argument("--io-binding", action=argparse.BooleanOptionalAction,
+                       help=IO_BINDING_HELP)
         add_split_options(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
@@ -99,8 +101,7 @@ def add_split_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--split-sessions", action=argparse.BooleanOptionalAction,
         help="run the shared prefix once and the adapted suffix per theta copy, as two ORT "
-        "sessions, the parts cached on first use (default: on for the CPU provider unless "
-        "--low-memory or --io-binding)",
+        "sessions, the parts cached on first use (default: on unless --low-memory)",
     )
     p.add_argument(
         "--memory-budget-mb", type=float,
@@ -396,7 +397,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="seconds between info-level summaries (default 30)")
     p.add_argument("--threads", type=int_in(1), help="ORT intra-op threads")
     p.add_argument("--low-memory", action="store_true", help=LOW_MEMORY_HELP)
-    p.add_argument("--io-binding", action="store_true", help=IO_BINDING_HELP)
+    p.add_argument("--io-binding", action=argparse.BooleanOptionalAction, help=IO_BINDING_HELP)
     add_split_options(p)
     p.add_argument("--seed", type=int, default=0, help="perturbation seed (default 0)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",

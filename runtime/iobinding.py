@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection, Mapping
 
 import numpy as np
 import onnxruntime as ort
@@ -21,7 +22,11 @@ class BoundRunner:
     so a call allocates no output arrays.
 
     The arrays returned are those buffers: the next call with the same row count overwrites
-    them. Copy what must outlive the call."""
+    them. Copy what must outlive the call.
+
+    Outputs a later call consumes (split sessions' prefix activations) can stay where the
+    session computed them: they come back as ``OrtValue`` s and are bound as they are, so on
+    CUDA they never cross to the host."""
 
     def __init__(self, session: ort.InferenceSession, device: str) -> None:
         if device not in ("cpu", "cuda"):
@@ -29,35 +34,43 @@ class BoundRunner:
         self.session = session
         self.device = device
         self.binding = session.io_binding()
-        self.output_widths: dict[str, tuple[int, ...]] = {}
-        for output in session.get_outputs():
-            width = tuple(output.shape[1:])
-            if not all(isinstance(d, int) for d in width):
-                raise ValueError(
-                    f"output {output.name!r} has shape {output.shape}: IOBinding needs every "
-                    "dimension but the first to be static"
-                )
-            self.output_widths[output.name] = width
+        self.output_widths = {
+            output.name: tuple(output.shape[1:]) for output in session.get_outputs()
+        }
         self._outputs: dict[str, OrderedDict[int, tuple[np.ndarray, ort.OrtValue]]] = {}
         self._device_inputs: dict[str, ort.OrtValue] = {}
 
-    def run(self, feeds: dict[str, np.ndarray], outputs: list[str], rows: int) -> list[np.ndarray]:
-        """Run with ``feeds`` (C-contiguous float32 host arrays) and return ``outputs``, each
-        [rows, *width] float32, in order."""
+    def run(
+        self, feeds: Mapping[str, np.ndarray | ort.OrtValue], outputs: list[str], rows: int,
+        on_device: Collection[str] = (),
+    ) -> list[np.ndarray | ort.OrtValue]:
+        """Run with ``feeds`` (C-contiguous float32 host arrays, or OrtValues already on the
+        session's device) and return ``outputs`` in order: each [rows, *width] float32 host
+        array, but those named in ``on_device``: OrtValues left on the device (valid until
+        the next call)."""
         binding = self.binding
         binding.clear_binding_inputs()
         binding.clear_binding_outputs()
-        for name, array in feeds.items():
-            if self.device == "cpu":
-                binding.bind_cpu_input(name, array)
+        for name, value in feeds.items():
+            if isinstance(value, ort.OrtValue):
+                binding.bind_ortvalue_input(name, value)
+            elif self.device == "cpu":
+                binding.bind_cpu_input(name, value)
             else:
-                binding.bind_ortvalue_input(name, self._device_input(name, array))
-        results = []
+                binding.bind_ortvalue_input(name, self._device_input(name, value))
+        results: list[np.ndarray | ort.OrtValue | None] = []
         for name in outputs:
-            buffer, value = self._output(name, rows)
-            binding.bind_ortvalue_output(name, value)
-            results.append(buffer)
+            if name in on_device:
+                binding.bind_output(name, self.device)
+                results.append(None)
+            else:
+                buffer, value = self._output(name, rows)
+                binding.bind_ortvalue_output(name, value)
+                results.append(buffer)
         self.session.run_with_iobinding(binding)
+        if on_device:
+            values = binding.get_outputs()
+            results = [values[i] if r is None else r for i, r in enumerate(results)]
         return results
 
     def _device_input(self, name: str, array: np.ndarray) -> ort.OrtValue:
@@ -73,7 +86,13 @@ class BoundRunner:
         if rows in kept:
             kept.move_to_end(rows)
             return kept[rows]
-        buffer = np.empty((rows, *self.output_widths[name]), dtype=np.float32)
+        width = self.output_widths[name]
+        if not all(isinstance(d, int) for d in width):
+            raise ValueError(
+                f"output {name!r} has shape [N, {', '.join(map(str, width))}]: a host buffer "
+                "needs every dimension but the first to be static"
+            )
+        buffer = np.empty((rows, *width), dtype=np.float32)
         kept[rows] = (buffer, ort.OrtValue.ortvalue_from_numpy(buffer))
         if len(kept) > KEPT_ROW_COUNTS:
             kept.popitem(last=False)

@@ -38,7 +38,7 @@ def load_method(
     provider: str = "auto",
     threads: int | None = None,
     low_memory: bool = False,
-    io_binding: bool = False,
+    io_binding: bool | None = None,
     split: bool | None = None,
     memory_budget_mb: float | None = None,
 ) -> RuntimeModel:

@@ -124,22 +124,22 @@ class AdaptableSession:
     shared prefix r times instead of once.
 
     ``split``: cut the file into its shared prefix and adapted suffix (:mod:`.split`) and run
-    them as two sessions (default None: on the CPU provider unless ``low_memory``,
-    ``io_binding`` or ``profile_prefix`` asks for the one-file session, falling back to it with
-    a warning when the parts cannot be written): the prefix once on the N images, the suffix
-    on the theta copies in
-    calls of at most ``memory_budget_mb`` worth of rows (estimated per row from the suffix's
-    largest activation; at least N rows a call, the rows plain inference runs; default
+    them as two sessions (default None: split unless ``low_memory`` or ``profile_prefix`` asks
+    for the one-file session, falling back to it with a warning when the parts cannot be
+    written): the prefix once on the N images, the suffix on the theta copies in calls of at
+    most ``memory_budget_mb`` worth of rows (estimated per row from the suffix's largest
+    activation; at least N rows a call, the rows plain inference runs; default
     ``DEFAULT_BUDGET_MB``, 16 MiB: a small model runs its copies in one call, a large one in
-    calls of N rows, so the peak stays near that of inference). The results equal the
-    one-call graph's.
+    calls of N rows, so the peak stays near that of inference, on the host or on the GPU).
+    The results equal the one-call graph's.
 
     ``profile_prefix``: ONNX Runtime's profiler on (see :func:`session_options`).
 
     ``io_binding``: run through :class:`BoundRunner` (outputs written into buffers reused from
-    call to call; on CUDA the inputs go to reused device buffers). The arrays :meth:`run` returns
-    are then overwritten by the next call with the same row count: :meth:`owned` copies what a
-    caller hands on."""
+    call to call; on CUDA the inputs go to reused device buffers and split sessions' prefix
+    activations stay on the device; default None: on CUDA only). The arrays :meth:`run`
+    returns are then overwritten by the next call with the same row count: :meth:`owned`
+    copies what a caller hands on."""
 
     def __init__(
         self,
@@ -148,25 +148,24 @@ class AdaptableSession:
         provider: str = "auto",
         threads: int | None = None,
         low_memory: bool = False,
-        io_binding: bool = False,
+        io_binding: bool | None = None,
         profile_prefix: str | None = None,
         split: bool | None = None,
         memory_budget_mb: float | None = None,
     ) -> None:
-        one_file = low_memory or io_binding or profile_prefix is not None
+        one_file = low_memory or profile_prefix is not None
         if split and one_file:
-            raise ValueError("split sessions are not combined with low_memory, io_binding or "
-                             "profiling")
+            raise ValueError("split sessions are not combined with low_memory or profiling")
         if memory_budget_mb is not None and (split is False or one_file or memory_budget_mb <= 0):
             raise ValueError("memory_budget_mb needs split sessions and a positive size")
         self.path = Path(path)
         self.low_memory = low_memory
         self.providers = resolve_providers(provider)
+        self.device = "cuda" if self.providers[0] == PROVIDERS["cuda"] else "cpu"
         options = session_options(threads, profile_prefix)
         self.parts: SplitSessions | None = None
         if split is None:
-            split = not one_file and self.providers[0] == PROVIDERS["cpu"]
-            if split:
+            if not one_file:
                 self.parts = SplitSessions.or_none(path, options, self.providers,
                                                    memory_budget_mb)
         elif split:
@@ -183,8 +182,12 @@ class AdaptableSession:
                 f"onnxruntime could not start {self.providers[0]} for {path} (it fell back to "
                 f"{self.session.get_providers()}); check the CUDA and cuDNN libraries"
             )
-        self.device = "cuda" if self.providers[0] == PROVIDERS["cuda"] else "cpu"
-        self.binder = BoundRunner(self.session, self.device) if io_binding else None
+        self.io_binding = self.device == "cuda" if io_binding is None else io_binding
+        self.binder = None
+        if self.io_binding and self.parts is not None:
+            self.parts.bind(self.device)
+        elif self.io_binding:
+            self.binder = BoundRunner(self.session, self.device)
         sessions = [self.session] if self.parts is None else [self.parts.prefix, self.parts.suffix]
         names = {i.name for session in sessions for i in session.get_inputs()}
         self.adapted_input = metadata.adapted_input
@@ -239,7 +242,7 @@ class AdaptableSession:
 
     def owned(self, array: np.ndarray) -> np.ndarray:
         """``array`` itself, or a copy when it may be an output buffer the next call reuses."""
-        return array.copy() if self.binder is not None else array
+        return array.copy() if self.io_binding else array
 
     def run(self, x: np.ndarray, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """One ORT call. ``x`` must already be checked; theta rows must be a multiple of N."""
@@ -323,9 +326,16 @@ class SplitSessions:
         self.boundary = parts.boundary
         self.row_bytes = 4 * parts.row_elements
         self.memory_budget_mb = memory_budget_mb
-        shared_arena(options)
+        if providers[0] == PROVIDERS["cpu"]:
+            shared_arena(options)
         self.prefix = open_session(parts.prefix, options, providers)
         self.suffix = open_session(parts.suffix, options, providers)
+        self.binders: tuple[BoundRunner, BoundRunner] | None = None
+
+    def bind(self, device: str) -> None:
+        """Run both parts through IOBinding on ``device``; the prefix's activations stay there
+        (see :class:`BoundRunner`)."""
+        self.binders = (BoundRunner(self.prefix, device), BoundRunner(self.suffix, device))
 
     @classmethod
     def or_none(
@@ -356,12 +366,24 @@ class SplitSessions:
         adapted: Callable[[int, int], dict[str, np.ndarray]],
     ) -> list[np.ndarray]:
         """The prefix once on ``x`` [N, ...], the suffix over theta rows [a, b) in chunks
-        (``adapted(a, b)``: their feeds); ``outputs`` [rows, ...] concatenated."""
-        values = self.prefix.run(self.boundary, {"pixel_values": x})
-        hidden = dict(zip(self.boundary, values, strict=True))
-        chunk = self.rows_per_call(x.shape[0], rows)
-        parts = [self.suffix.run(outputs, {**hidden, **adapted(a, min(rows, a + chunk))})
-                 for a in range(0, rows, chunk)]
+        (``adapted(a, b)``: their feeds); ``outputs`` [rows, ...] concatenated (bound: the
+        single chunk's reused buffers, or fresh arrays when there are several chunks)."""
+        n = x.shape[0]
+        chunk = self.rows_per_call(n, rows)
+        if self.binders is None:
+            values = self.prefix.run(self.boundary, {"pixel_values": x})
+            hidden = dict(zip(self.boundary, values, strict=True))
+            parts = [self.suffix.run(outputs, {**hidden, **adapted(a, min(rows, a + chunk))})
+                     for a in range(0, rows, chunk)]
+        else:
+            prefix, suffix = self.binders
+            values = prefix.run({"pixel_values": x}, self.boundary, n, on_device=self.boundary)
+            hidden = dict(zip(self.boundary, values, strict=True))
+            parts = []
+            for a in range(0, rows, chunk):
+                b = min(rows, a + chunk)
+                part = suffix.run({**hidden, **adapted(a, b)}, outputs, b - a)
+                parts.append(part if chunk >= rows else [p.copy() for p in part])
         if len(parts) == 1:
             return parts[0]
         return [np.concatenate([p[k] for p in parts]) for k in range(len(outputs))]

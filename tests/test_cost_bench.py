@@ -44,7 +44,7 @@ def test_peak_memory_is_measured_in_a_fresh_process(small_vit):
 
     ballast = np.ones(400 * 2**20 // 8)  # +400 MB in this process only
     parent = cost.process_peak_rss_mb()
-    child = cost.peak_rss_mb(str(small_vit.onnx_path), "noadapt", 2, 2, 1, None)
+    child = cost.process_memory(str(small_vit.onnx_path), "noadapt", 2, 2, 1, None)["peak_rss_mb"]
     assert 0 < child < parent - 300
     del ballast
 

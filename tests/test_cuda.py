@@ -48,12 +48,16 @@ def test_cuda_forward_matches_cpu(path, io_binding):
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
-def test_cuda_adaptation_follows_cpu(path):
+@pytest.mark.parametrize("mode", [{}, {"split": False}], ids=["default", "one-call"])
+def test_cuda_adaptation_follows_cpu(path, mode):
     """Ten EVA-0 steps: the same predictions up to rounding, theta within 5% of its drift.
+    The CUDA default: split sessions through IOBinding, the perturbations drawn ahead.
     (Random images would trip the health guard, which then rolls both back: it is off.)"""
     config = {"guard": False}
     cpu = load_method(path, "eva0", config, seed=0, provider="cpu")
-    cuda = load_method(path, "eva0", config, seed=0, provider="cuda", io_binding=True)
+    cuda = load_method(path, "eva0", config, seed=0, provider="cuda", **mode)
+    assert cuda.session.io_binding and cuda.estimator.prefetch is not None
+    assert (cuda.session.parts is not None) == ("split" not in mode)
     agree = total = 0
     for i in range(10):
         x = _batch(cpu.metadata, 16, i)
