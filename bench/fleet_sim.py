@@ -23,12 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from eva0_edge.fleet.merge import apply_merged, progress
 from eva0_edge.fleet.serve import shared_stream_load
 from eva0_edge.fleet.state_actor import FleetConfig, FleetState
+from eva0_edge.fleet.sync import FleetSync, InlineWorker, local_actor
 from eva0_edge.runtime.config import parse_key_values
 from eva0_edge.runtime.engine import AdaptiveModel
-from eva0_edge.runtime.state import AdaptState
 
 from .evaluate import EvalSpec
 from .fleet_stream import continual_stream, per_domain
@@ -48,33 +47,26 @@ def fleet(model: str, method: str, config: dict[str, Any], x: np.ndarray, replic
           batch: int, every: int, combine: str, seed: int) -> np.ndarray:
     """Predicted class per image of ``x``: batches of ``batch`` dealt round robin to
     ``replicas`` replicas, each reporting to one fleet state every ``every`` of its own images
-    (0: never) and installing the merged state it answers with."""
-    replicas_ = [AdaptiveModel.load(model, method, config or None, seed=seed * 1000 + r,
-                                    threads=1) for r in range(replicas)]
-    probe = replicas_[0]
-    actor = FleetState(probe.state_dict(), probe.fingerprint, probe.state_sizes(), probe.method,
+    (0: never) and installing the merged state it answers with, through the served fleet's own
+    :class:`~eva0_edge.fleet.sync.FleetSync` (the actor and the model called in-process)."""
+    models = [AdaptiveModel.load(model, method, config or None, seed=seed * 1000 + r, threads=1)
+              for r in range(replicas)]
+    probe = models[0]
+    state = FleetState(probe.state_dict(), probe.fingerprint, probe.state_sizes(), probe.method,
                        FleetConfig(combine=combine, live_s=float("inf")))
-    names = [f"r{r}" for r in range(replicas)]
-    for name in names:
-        actor.join(name)
-    accounted = [AdaptState.from_dict(m.state_dict()) for m in replicas_]
+    syncs = [FleetSync(local_actor(state), f"r{r}", m, every_s=0) for r, m in enumerate(models)]
+    for sync, m in zip(syncs, models, strict=True):
+        sync.start(InlineWorker(m))
     unreported = [0] * replicas
     predicted = np.full(len(x), -1)
     for start in range(0, len(x), batch):
         r = (start // batch) % replicas
         rows = slice(start, start + batch)
-        predicted[rows] = replicas_[r].step(x[rows]).argmax(1)
+        predicted[rows] = models[r].step(x[rows]).argmax(1)
         unreported[r] += len(x[rows])
-        if not every or unreported[r] < every:
-            continue
-        state = AdaptState.from_dict(replicas_[r].state_dict())
-        _, merged, _ = actor.report(names[r], state.to_dict(), progress(state, accounted[r]),
-                                    unreported[r], True)
-        accounted[r], unreported[r] = state, 0
-        if merged is not None:
-            fleet_state = AdaptState.from_dict(merged)
-            replicas_[r].load_state_dict(apply_merged(fleet_state, state, state).to_dict())
-            accounted[r] = fleet_state
+        if every and unreported[r] >= every:
+            syncs[r].sync_once()
+            unreported[r] = 0
     return predicted
 
 

@@ -1,12 +1,16 @@
-"""The fleet's merge rule and state actor, without Ray: replicas simulated as states."""
+"""The fleet's merge rule and state actor, without Ray: fake models (states and counters)
+synced by the served fleet's own FleetSync, the actor called in process."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from eva0_edge.fleet.merge import Report, apply_merged, feature_distance, merge, progress
 from eva0_edge.fleet.state_actor import FleetConfig, FleetState
+from eva0_edge.fleet.sync import FleetSync, InlineWorker, local_actor
 from eva0_edge.runtime.state import AdaptState, decode_state
 
 P, K, F = 6, 3, 4
@@ -79,36 +83,58 @@ def _fleet(tmp_path=None) -> FleetState:
     return FleetState(source().to_dict(), "fp", SIZES, "eva0", config)
 
 
-class SimReplica:
-    """A replica's accounting as :class:`~eva0_edge.fleet.replica.FleetSync` does it."""
+class StateOnlyModel:
+    """What :class:`~eva0_edge.fleet.sync.FleetSync` reads and writes of a model (its state,
+    its image counter, its guard), with made-up steps instead of ORT calls."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.state = source()
+        self.session = SimpleNamespace(counter=SimpleNamespace(samples=0))
+
+    def state_dict(self) -> dict:
+        return self.state.to_dict()
+
+    def load_state_dict(self, values: dict) -> None:
+        self.state = AdaptState.from_dict(values)
+
+    def health(self) -> SimpleNamespace:
+        return SimpleNamespace(adapting=True, guard_trips=self.state.guard_trips)
+
+    def step(self, images: int = 4) -> None:
+        self.state = adapted(self.state, self.rng, steps=1)
+        self.session.counter.samples += images
+
+    def serve(self, images: int = 4) -> None:
+        """Images served without the state moving (the guard paused adaptation)."""
+        self.session.counter.samples += images
+
+
+class Replica:
+    """A fake model synced by the served fleet's own FleetSync, in process."""
 
     def __init__(self, fleet: FleetState, name: str, seed: int) -> None:
-        self.fleet, self.name = fleet, name
-        self.rng = np.random.default_rng(seed)
-        version, merged = fleet.join(name)
-        self.state = source() if merged is None else AdaptState.from_dict(merged)
-        self.accounted = self.state.copy()
+        self.model = StateOnlyModel(seed)
+        self.sync_ = FleetSync(local_actor(fleet), name, self.model, every_s=0)
+        self.sync_.start(InlineWorker(self.model))
+
+    @property
+    def state(self) -> AdaptState:
+        return self.model.state
 
     def step(self) -> None:
-        self.state = adapted(self.state, self.rng, steps=1)
+        self.model.step()
 
-    def sync(self, healthy: bool = True, samples: int = 4) -> int | None:
-        reported = self.state.copy()
-        version, merged, _ = self.fleet.report(
-            self.name, reported.to_dict(), progress(reported, self.accounted), samples, healthy
-        )
-        self.accounted = reported
-        if merged is None:
-            return None
-        fleet_state = AdaptState.from_dict(merged)
-        self.state = apply_merged(fleet_state, reported, self.state)
-        self.accounted = fleet_state
-        return version
+    def sync(self) -> bool:
+        """Report; True when a merged state was installed."""
+        applied = self.sync_.applied
+        self.sync_.sync_once()
+        return self.sync_.applied > applied
 
 
 def test_after_a_quiet_round_every_replica_holds_the_fleet_state():
     fleet = _fleet()
-    replicas = [SimReplica(fleet, n, i) for i, n in enumerate("abc")]
+    replicas = [Replica(fleet, n, i) for i, n in enumerate("abc")]
     for _ in range(4):  # interleaved steps and syncs, reports ahead of and behind merges
         for r in replicas:
             r.step()
@@ -120,7 +146,7 @@ def test_after_a_quiet_round_every_replica_holds_the_fleet_state():
     version = fleet.version
     for _ in range(3):  # no traffic: the next round hands the merge out, and nothing moves
         for r in replicas:
-            r.sync(samples=0)
+            r.sync()
     assert fleet.version == version
     thetas = [r.state.theta for r in replicas]
     for theta in thetas[1:]:
@@ -134,30 +160,34 @@ def test_progress_is_counted_once():
     the fleet moves 8/12 of a's progress; later quiet rounds leave it there (nothing counted
     twice)."""
     fleet = _fleet()
-    a, b = SimReplica(fleet, "a", 0), SimReplica(fleet, "b", 1)
+    a, b = Replica(fleet, "a", 0), Replica(fleet, "b", 1)
     a.step()
     a.sync()
     a.step()
     own = a.state.theta.copy()
     a.sync()
+    b.model.serve()  # b's 4 images moved nothing
     b.sync()  # the merge
     expected = source().theta + (8 / 12) * (own - source().theta)
     np.testing.assert_allclose(fleet.state.theta, expected, atol=1e-6)
-    for _ in range(3):
-        a.sync()
-        b.sync()
+    for _ in range(3):  # both serve images without moving: nothing to add
+        for r in (a, b):
+            r.model.serve()
+            r.sync()
+    assert fleet.version >= 3
     np.testing.assert_allclose(fleet.state.theta, expected, atol=1e-6)
     np.testing.assert_array_equal(a.state.theta, fleet.state.theta)
 
 
 def test_an_unhealthy_replica_stays_out_but_takes_the_fleet_state():
     fleet = _fleet()
-    a, b = SimReplica(fleet, "a", 0), SimReplica(fleet, "b", 1)
+    a, b = Replica(fleet, "a", 0), Replica(fleet, "b", 1)
     a.step()
     b.step()
     a.sync()
     bad_theta = b.state.theta.copy()
-    assert b.sync(healthy=False) is not None  # the merge: a's progress only
+    b.state.guard_trips += 1  # b's guard tripped since its last report
+    assert b.sync()  # the merge: a's progress only
     np.testing.assert_array_equal(b.state.theta, a.state.theta)
     assert not np.array_equal(b.state.theta, bad_theta)
     assert fleet.statistics()["left_out_unhealthy"] == 1
@@ -180,7 +210,7 @@ def test_a_merge_that_overflows_is_refused_and_the_fleet_state_kept():
 
 def test_fleet_snapshots_verify_and_a_restarted_actor_resumes(tmp_path):
     fleet = _fleet(tmp_path)
-    a, b = SimReplica(fleet, "a", 0), SimReplica(fleet, "b", 1)
+    a, b = Replica(fleet, "a", 0), Replica(fleet, "b", 1)
     for r in (a, b):
         r.step()
         r.sync()
@@ -190,7 +220,7 @@ def test_fleet_snapshots_verify_and_a_restarted_actor_resumes(tmp_path):
     np.testing.assert_array_equal(state.theta, fleet.state.theta)
     restarted = _fleet(tmp_path)
     assert restarted.version == fleet.version == info["fleet_version"] == 1
-    c = SimReplica(restarted, "c", 2)  # a new replica starts from the fleet state
+    c = Replica(restarted, "c", 2)  # a new replica starts from the fleet state
     np.testing.assert_array_equal(c.state.theta, fleet.state.theta)
 
 
