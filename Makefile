@@ -6,7 +6,7 @@ STAMP := $(VENV)/.eva0-edge-installed
 
 FMNIST := /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz
 
-.PHONY: blackbox setup data demo test test-fast lint tables sweep hostile budget quant tune FORCE
+.PHONY: blackbox setup data demo test test-fast lint mutate tables sweep hostile budget quant tune FORCE
 
 # A strict editable install: a link tree mirrors the import names (eva0_edge.runtime ->
 # runtime/, ...), so static tools (mypy, IDEs) resolve them too; the tree is rebuilt when the
@@ -51,6 +51,12 @@ test-fast: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy -p eva0_edge.runtime
+
+# Mutation testing of the core numeric modules with mutmut (not in CI: too slow); writes
+# tools/mutation-report.md (kill rate per module, every survivor with its diff).
+mutate: setup
+	$(PY) -m pip install -q -c constraints.txt -e ".[mutate]" --config-settings editable_mode=strict
+	$(PY) tools/mutate.py
 
 # The closing-note tables: both shipped models, severity 5, all methods, single + continual.
 TABLE_METHODS := noadapt,eva0,eva0-dagger,zoa,spsa2-shared,tent,sar,deyo

@@ -94,6 +94,29 @@ def test_an_injected_huge_coefficient_is_clipped_and_counted():
     assert limit_step(np.array([0.3, 0.4]), 1.0) == (pytest.approx([0.3, 0.4]), False)
 
 
+def test_the_clip_bound_is_clip_times_the_scale_or_the_first_batchs_median():
+    first = clip_coefficients(np.array([1.0, -1.0, 2.0, -100.0]), 0.0, 0.0, 5.0, 256.0)
+    np.testing.assert_allclose(first.coef, [1.0, -1.0, 2.0, -7.5])  # 5 x median |c| (1.5)
+    later = clip_coefficients(np.array([3.0, -9.0, 10.0, 11.0]), 2.0, 1.0, 5.0, 256.0)
+    np.testing.assert_allclose(later.coef, [3.0, -9.0, 10.0, 10.0])  # bound 5 x 2 = 10
+    assert later.clipped == 1  # 10.0 sits on the bound: not clipped
+    zeros = clip_coefficients(np.array([1.0, -2.0]), 0.0, 1.0, 5.0, 256.0)
+    np.testing.assert_allclose(zeros.coef, [1.0, -2.0])  # a scale of 0: nothing to clip at
+
+
+def test_the_trust_radius_cuts_only_steps_longer_than_it():
+    small, cut = limit_step(np.array([0.03, 0.04]), 0.01)
+    assert cut and np.linalg.norm(small) == pytest.approx(0.01)
+    for delta in (np.zeros(3), np.array([])):
+        same, cut = limit_step(delta, 0.5)
+        assert not cut and np.array_equal(same, delta)
+    unbounded = np.array([3e3, 4e3])
+    assert limit_step(unbounded, None)[1] is False
+    broken = np.array([np.nan, 1e9])
+    kept, cut = limit_step(broken, 1.0)
+    assert kept is broken and cut is False  # the finiteness guard refuses it, not this
+
+
 def _blow_up_one_side(model: AdaptiveModel, monkeypatch) -> None:
     """From now on the first row of every ORT call (sample 0's + side) has absurd logits and
     features."""
