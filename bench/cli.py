@@ -62,7 +62,13 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     try:
-        from eva0_edge.bench.cost import bench_prompt_model, markdown, run_bench, write_outputs
+        from eva0_edge.bench.cost import (
+            bench_prompt_model,
+            fitting_methods,
+            markdown,
+            run_bench,
+            write_outputs,
+        )
         from eva0_edge.bench.workload import export_random
         from eva0_edge.runtime.cache import cache_dir
     except ImportError as err:
@@ -74,7 +80,13 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     if args.arch:
         model = str(export_random(args.arch, cache_dir() / "bench-models", args.seed))
         torch_spec = {"arch": args.arch, "seed": args.seed}
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if args.methods is None:
+        methods, skipped = fitting_methods(model, args.arch, args.seed, args.prompt_model,
+                                           args.torch_checkpoint)
+        for method, why in skipped.items():
+            print(f"skipped {method}: {why}")
+    else:
+        methods = split_names(args.methods)
     report = run_bench(
         model,
         args.batch_sizes,
@@ -135,10 +147,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--arch", help="timm architecture, exported with random weights (cached)")
     p.add_argument("--batch-sizes", type=int_list, default=[1, 8, 32],
                    help="comma-separated (default 1,8,32)")
-    p.add_argument("--methods", default="noadapt,eva0,zoa,foa,tent", help="comma-separated")
+    p.add_argument("--methods", help="comma-separated (default: noadapt,eva0,zoa,foa,tent, "
+                   "less those the model cannot run, each named with the reason)")
     p.add_argument("--repeats", type=int_in(1), default=10,
                    help="timed repetitions (default 10)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--warmup", type=int_in(0), default=2, help="untimed steps first (default 2)")
     p.add_argument("--threads", type=int_in(1), help="intra-op threads (default: ORT's / torch's)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-RSS processes")
     p.add_argument("--torch-checkpoint", help="torch weights for tent on a non-shipped model")

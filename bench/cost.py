@@ -219,6 +219,32 @@ def bench_prompt_model(
     return str(prompt_variant(model, PROMPT_TOKENS))
 
 
+DEFAULT_METHODS = ("noadapt", "eva0", "zoa", "foa", "tent")
+
+
+def fitting_methods(
+    model: str, arch: str | None, seed: int, prompt_model: str | None,
+    torch_checkpoint: str | None,
+) -> tuple[list[str], dict[str, str]]:
+    """The default methods that can run on ``model`` and, for the others, why not: FOA needs
+    a prompt model of a ViT (given, exported from ``arch``, or derived from a shipped
+    model), TENT the torch weights (``arch``'s random ones, a shipped model's, or
+    ``torch_checkpoint``)."""
+    skipped: dict[str, str] = {}
+    try:
+        bench_prompt_model(model, arch, seed, prompt_model, ["foa"])
+    except (ValueError, FileNotFoundError) as err:
+        skipped["foa"] = str(err)
+    if not arch:
+        from .backprop import load_torch_source
+
+        try:
+            load_torch_source(read_metadata(model), torch_checkpoint)
+        except (ValueError, FileNotFoundError) as err:
+            skipped["tent"] = str(err)
+    return [m for m in DEFAULT_METHODS if m not in skipped], skipped
+
+
 def run_bench(
     model_path: str,
     batch_sizes: Sequence[int],

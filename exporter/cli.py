@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from eva0_edge.runtime.cli import missing_extra
+from eva0_edge.runtime.cli import int_in, missing_extra
 from eva0_edge.runtime.config import parse_key_values
 
 
@@ -57,8 +57,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--input-size", help="C,H,W the model expects (default: from the model)")
     p.add_argument("--labels", help="text file with one class name per line")
-    p.add_argument("--opset", type=int, default=18, help="ONNX opset (default 18)")
-    p.add_argument("--prompts", type=int, default=0, metavar="T",
+    p.add_argument("--opset", type=int_in(17), default=18, help="ONNX opset, >= 17 (default 18)")
+    p.add_argument("--prompts", type=int_in(0), default=0, metavar="T",
                    help="ViT black-box prompt mode: T prompt tokens after CLS as the only "
                    "adaptable input, weights frozen (for foa / foa-dagger / eva0-clubs)")
     p.add_argument("--prompt-seed", type=int, default=0, help="initial prompt seed (default 0)")

@@ -39,7 +39,14 @@ def create_source_model(
     except RuntimeError as err:
         if "is not a known model" in str(err) or "Unknown model" in str(err):
             raise ValueError(f"unknown timm architecture {arch!r}") from err
-        raise
+        if checkpoint is None:
+            raise
+        raise ValueError(f"checkpoint {checkpoint} does not fit {arch}: {err}") from err
+    except Exception as err:  # noqa: BLE001 - torch.load's errors on a file that is no checkpoint
+        if checkpoint is None:
+            raise
+        raise ValueError(f"checkpoint {checkpoint} is not a loadable state dict for {arch} "
+                         f"({type(err).__name__}: {err})") from err
     return model.eval()
 
 

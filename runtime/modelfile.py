@@ -23,10 +23,14 @@ def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
 
 
 def read_metadata(model: onnx.ModelProto | str | os.PathLike) -> ModelMetadata:
-    """The eva0-edge metadata of a model file or parsed model."""
-    if not isinstance(model, onnx.ModelProto):
-        model = load_onnx(model)
-    return ModelMetadata.from_props({p.key: p.value for p in model.metadata_props})
+    """The eva0-edge metadata of a model file or parsed model (a file's errors name it)."""
+    if isinstance(model, onnx.ModelProto):
+        return ModelMetadata.from_props({p.key: p.value for p in model.metadata_props})
+    parsed = load_onnx(model)
+    try:
+        return ModelMetadata.from_props({p.key: p.value for p in parsed.metadata_props})
+    except ModelFormatError as err:
+        raise ModelFormatError(f"{model}: {err}") from err
 
 
 def set_metadata(model: onnx.ModelProto, metadata: ModelMetadata) -> onnx.ModelProto:

@@ -1,0 +1,101 @@
+"""The CLI's contract with a user who gets something wrong: every subcommand, given a bad value
+or a bad file, exits non-zero with a message naming the option or the file, prints no
+traceback and leaves no ``.partial`` file behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from eva0_edge.cli import main
+from tests.test_testbed import SHIPPED
+
+MODEL = str(SHIPPED[1])
+
+# (argv, what the message must name); {tmp} is the test's folder, {missing}/{empty}/{junk}
+# model files that do not exist, hold 0 bytes, hold text.
+CASES = [
+    (["info", "{missing}"], "{missing}"),
+    (["info", "{empty}"], "{empty}"),
+    (["info", "{junk}"], "{junk}"),
+    (["export", "--arch", "no_such_arch", "-o", "{tmp}/m.onnx"], "no_such_arch"),
+    (["export", "--arch", "resnet18", "--checkpoint", "{junk}", "-o", "{tmp}/m.onnx"], "{junk}"),
+    (["export", "--arch", "vit_tiny_patch16_224", "--opset", "0", "-o", "{tmp}/m.onnx"],
+     "--opset"),
+    (["export", "--arch", "vit_tiny_patch16_224", "--prompts", "-2", "-o", "{tmp}/m.onnx"],
+     "--prompts"),
+    (["calibrate", "--model", "{missing}", "--data", "{tmp}", "-o", "{tmp}/c.onnx"],
+     "{missing}"),
+    (["calibrate", "--model", MODEL, "--data", "{tmp}/nothing", "-o", "{tmp}/c.onnx"],
+     "{tmp}/nothing"),
+    (["calibrate", "--model", MODEL, "--data", "{tmp}", "--batch-size", "0", "-o",
+      "{tmp}/c.onnx"], "--batch-size"),
+    (["adapt", "--model", "{empty}", "--input", "{tmp}", "--output", "{tmp}/p.jsonl"],
+     "{empty}"),
+    (["adapt", "--model", MODEL, "--input", "{tmp}/nothing", "--output", "{tmp}/p.jsonl"],
+     "{tmp}/nothing"),
+    (["adapt", "--model", MODEL, "--input", "{tmp}", "--output", "{tmp}/p.jsonl", "--set",
+      "eta=abc"], "eta"),
+    (["adapt", "--model", MODEL, "--input", "{tmp}", "--output", "{tmp}/p.jsonl", "--set",
+      "no_such_key=1"], "no_such_key"),
+    (["adapt", "--model", MODEL, "--input", "{tmp}", "--output", "{tmp}/p.jsonl", "--method",
+      "no_such_method"], "no_such_method"),
+    (["adapt", "--model", MODEL, "--input", "{tmp}", "--output", "{tmp}/p.jsonl", "--budget",
+      "0.5"], "budget"),
+    (["adapt", "--model", MODEL, "--input", "{tmp}", "--output", "{tmp}/p.jsonl", "--state",
+      "{junk}"], "{junk}"),
+    (["serve", "--model", "{empty}"], "{empty}"),
+    (["serve", "--model", MODEL, "--port", "70000"], "--port"),
+    (["serve", "--model", MODEL, "--max-batch", "0"], "--max-batch"),
+    (["serve", "--model", MODEL, "--max-delay-ms", "-1"], "--max-delay-ms"),
+    (["serve", "--model", MODEL, "--replicas", "-1"], "--replicas"),
+    (["quantize", "--model", "{missing}", "--bits", "8", "--calib", "{tmp}", "-o",
+      "{tmp}/q.onnx"], "{missing}"),
+    (["quantize", "--model", MODEL, "--bits", "7", "--calib", "{tmp}", "-o", "{tmp}/q.onnx"],
+     "--bits"),
+    (["quantize", "--model", MODEL, "--bits", "8", "--calib", "{tmp}", "--calib-images", "0",
+      "-o", "{tmp}/q.onnx"], "--calib-images"),
+    (["quantize", "--model", MODEL, "--bits", "8", "--calib", "{tmp}/nothing", "-o",
+      "{tmp}/q.onnx"], "{tmp}/nothing"),
+    (["eval", "--model", "{missing}"], "{missing}"),
+    (["eval", "--model", MODEL, "--methods", "no_such_method"], "no_such_method"),
+    (["eval", "--model", MODEL, "--severity", "9"], "--severity"),
+    (["eval", "--model", MODEL, "--threads", "0"], "--threads"),
+    (["bench", "--model", "{junk}", "--methods", "eva0"], "{junk}"),
+    (["bench", "--model", MODEL, "--methods", "no_such_method"], "no_such_method"),
+    (["bench", "--model", MODEL, "--warmup", "-1"], "--warmup"),
+    (["bench", "--model", MODEL, "--threads", "-3"], "--threads"),
+]
+
+
+@pytest.mark.parametrize("argv,named", CASES, ids=lambda v: " ".join(v[:3]) if isinstance(
+    v, list) else None)
+def test_a_bad_value_or_file_is_one_line_naming_it(argv, named, tmp_path, capsys):
+    files = {"tmp": str(tmp_path), "missing": str(tmp_path / "missing.onnx"),
+             "empty": str(tmp_path / "empty.onnx"), "junk": str(tmp_path / "junk.onnx")}
+    (tmp_path / "empty.onnx").write_bytes(b"")
+    (tmp_path / "junk.onnx").write_text("this is not a model\n")
+    argv = [a.format(**files) for a in argv]
+    try:
+        status = main(argv)
+    except SystemExit as stop:  # argparse: usage line, then the error
+        status = stop.code
+    assert status not in (0, None)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    message = err.strip().splitlines()[-1]
+    assert message.startswith("eva0-edge") and "error" in message
+    assert named.format(**files) in message
+    assert not list(tmp_path.rglob("*.partial"))
+
+
+def test_bench_with_its_defaults_runs_what_the_model_can_and_names_what_it_skips(capsys):
+    """A ResNet has no prompt model: FOA is skipped with the reason, the rest is timed."""
+    argv = ["bench", "--model", MODEL, "--batch-sizes", "1", "--repeats", "1", "--warmup", "0",
+            "--no-memory", "-q"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    reason = out.split("skipped foa:")[1].splitlines()[0]
+    assert "VisionTransformer" in reason
+    for method in ("noadapt", "eva0", "zoa", "tent"):
+        assert f"| {method} | 1 |" in out
+    assert "| foa |" not in out
