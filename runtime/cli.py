@@ -206,7 +206,7 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
             )
     elif args.state and Path(args.state).is_file():
         model.load_state(args.state)
-        log.info("resumed from %s at step %d", args.state, model.state.step)
+    before = model.stats()  # a resumed state counts its earlier steps; the summary: this run's
     stream = open_input(args.input, model.metadata.preprocessing)
     correct = seen = 0
     failure: Exception | None = None
@@ -233,10 +233,12 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
     if args.state and not isinstance(model, FOAModel):
         model.save_state(args.state)
     stats = model.stats()
+    resumed = (f"; resumed at step {before['steps']}, {stats['steps']} in the state"
+               if before["steps"] else "")
     summary = (
-        f"{args.method}: {stats['samples']} samples, {stats['steps']} steps "
-        f"({stats['skipped_steps']} skipped), {stats['forwards_per_sample']:.2f} forwards/sample, "
-        f"drift {stats['drift']:.4g}"
+        f"{args.method}: {stats['samples']} samples, {stats['steps'] - before['steps']} steps "
+        f"({stats['skipped_steps'] - before['skipped_steps']} skipped{resumed}), "
+        f"{stats['forwards_per_sample']:.2f} forwards/sample, drift {stats['drift']:.4g}"
     )
     if seen:
         summary += f", accuracy {100.0 * correct / seen:.2f}%"

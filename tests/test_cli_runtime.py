@@ -84,6 +84,22 @@ def test_adapt_npz_with_labels_to_csv(calibrated_vit, tmp_path, capsys):
     assert "accuracy" in capsys.readouterr().out
 
 
+def test_a_resumed_adapt_reports_this_runs_counts_and_where_it_resumed(tmp_path, capsys):
+    from tests.test_testbed import SHIPPED
+
+    rng = np.random.default_rng(2)
+    np.savez(tmp_path / "s.npz", x=rng.integers(0, 256, (12, 28, 28), dtype=np.uint8))
+    argv = ["adapt", "--model", str(SHIPPED[1]), "--input", str(tmp_path / "s.npz"), "--output",
+            str(tmp_path / "p.jsonl"), "--state", str(tmp_path / "state.npz"), "-q",
+            "--batch-size", "4"]
+    summaries = []
+    for _ in range(2):
+        assert main(argv) == 0
+        summaries.append(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "12 samples, 3 steps (0 skipped)," in summaries[0] and "resumed at" not in summaries[0]
+    assert "12 samples, 3 steps (0 skipped; resumed at step 3, 6 in the state)," in summaries[1]
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
