@@ -187,3 +187,61 @@ def test_crafted_metadata_is_refused_by_name(adapted, meta, match):
     np.savez(buf, __meta__=np.array(json.dumps(meta)), **arrays)
     with pytest.raises(StateError, match=match):
         adapted.parse_state_bytes(buf.getvalue())
+
+
+def _limits_and_state():
+    from eva0_edge.runtime.state import AdaptState
+    from eva0_edge.runtime.statelimits import StateLimits
+
+    limits = StateLimits(theta0=np.zeros(4, dtype=np.float32), theta_radius=5.0, eta=0.5,
+                         max_pause=100, shift_source=np.array([10.0, 0.0]), shift_radius=5.0,
+                         shift_square_max=400.0, feature_energy=8.0)
+    state = AdaptState.initial(np.zeros(4), 3, 2, seed=0)
+    state.shift_mean, state.shift_sq = np.array([10.0, 0.0]), 100.0
+    state.shift_recent, state.shift_recent_sq = np.array([10.0, 0.0]), 100.0
+    return limits, state
+
+
+@pytest.mark.parametrize("field,value,ok,bad", [
+    ("theta", "vector", [3.0, 4.0, 0.0, 0.0], [3.0, 4.001, 0.0, 0.0]),
+    ("anchor", "vector", [0.0, 0.0, 3.0, -4.0], [0.0, 0.0, 3.0, -4.001]),
+    ("healthy_theta", "vector", [5.0, 0.0, 0.0, 0.0], [5.001, 0.0, 0.0, 0.0]),
+    ("velocity", "vector", [6.0, 8.0, 0.0, 0.0], [6.0, 8.01, 0.0, 0.0]),  # eta x 10 = 5
+    ("pause_left", "scalar", 100, 101),
+    ("second_moment", "vector", [5.0, 3.0], [5.0, 3.001]),  # energy 8
+    ("shift_mean", "vector", [13.0, 4.0], [13.0, 4.001]),  # 5 from the source mean [10, 0]
+    ("shift_sq", "scalar", 400.0, 400.1),
+    ("shift_recent", "vector", [7.0, -4.0], [7.0, -4.001]),
+    ("shift_recent_sq", "scalar", 400.0, 400.1),
+])
+def test_every_limit_holds_its_bound_itself_and_refuses_past_it(field, value, ok, bad):
+    """A state exactly on a bound loads; a hair past it is refused, naming the field."""
+    limits, state = _limits_and_state()
+    convert = (lambda v: np.asarray(v, dtype=getattr(state, field).dtype)) if value == "vector" \
+        else (lambda v: type(getattr(state, field))(v))
+    if field in ("shift_mean", "shift_recent"):  # a mean needs the square of its samples
+        state.shift_sq = state.shift_recent_sq = 400.0
+    setattr(state, field, convert(ok))
+    limits.check(state)
+    setattr(state, field, convert(bad))
+    with pytest.raises(StateError, match=field):
+        limits.check(state)
+
+
+def test_a_window_square_below_its_means_norm_is_refused_within_rounding_only():
+    limits, state = _limits_and_state()
+    state.shift_mean, state.shift_sq = np.array([10.0, 0.0]), 100.0  # equal: one sample
+    limits.check(state)
+    import dataclasses
+
+    unshifted = dataclasses.replace(limits, shift_source=None)
+    state.shift_mean, state.shift_sq = np.array([1e-7, 0.0]), 0.0  # 1e-14 below: rounding
+    unshifted.check(state)
+    state.shift_mean = np.array([10.0, 0.0])
+    state.shift_sq = 99.5
+    with pytest.raises(StateError, match="below the squared norm of shift_mean"):
+        limits.check(state)
+    state.shift_sq = 100.0
+    state.shift_recent, state.shift_recent_sq = np.array([12.0, 0.0]), 143.0
+    with pytest.raises(StateError, match="below the squared norm of shift_recent"):
+        limits.check(state)
