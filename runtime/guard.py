@@ -136,8 +136,8 @@ class FeatureWindow:
     def add(self, features: np.ndarray) -> None:
         """Add the features [B, F] of a batch (stream order)."""
         h = features.astype(np.float64)
-        if self.moments.size != 2 * h.shape[1]:
-            self.moments = np.zeros(2 * h.shape[1])
+        if self.moments.size != 2 * h.shape[1]:  # the first batch (or another width): restart
+            self.moments, self.weight = np.zeros(2 * h.shape[1]), 0.0
         self.moments, self.weight = windowed_update(
             self.moments, self.weight, np.hstack([h, h * h]), self.factor
         )
