@@ -8,8 +8,9 @@ forked after a test had run a session, mutants hung until their timeout). The re
 (``tools/mutation-report.md``) gives each module's kill rate and every surviving mutant with its
 diff and, if it was reviewed as equivalent (``EQUIVALENT`` below), why.
 
-    .venv/bin/python tools/mutate.py            # about 15 min on 2 cores
-    .venv/bin/python tools/mutate.py --report   # the report of the last run only
+    .venv/bin/python tools/mutate.py                 # about 75 min on 2 cores
+    .venv/bin/python tools/mutate.py --retest        # the last run's survivors, tests updated
+    .venv/bin/python tools/mutate.py --report        # the report of the last run only
 """
 
 from __future__ import annotations
@@ -95,6 +96,21 @@ def diff_of(name: str) -> str:
                      if line[:1] in "+-" and not line.startswith(("+++", "---")))
 
 
+def retest() -> None:
+    """Run the last run's surviving and untested mutants again against the current tests
+    (the mutated modules must not have changed since that run)."""
+    for module in MODULES:
+        staged = STAGE / "src" / "eva0_edge" / "runtime" / f"{module}.py"
+        if staged.read_bytes() != (ROOT / "runtime" / f"{module}.py").read_bytes():
+            raise SystemExit(f"runtime/{module}.py changed since the run: run it again whole")
+    for target in (STAGE / "tests", STAGE / "mutants" / "tests"):
+        shutil.rmtree(target)
+        shutil.copytree(ROOT / "tests", target, ignore=shutil.ignore_patterns("__pycache__"))
+    listed = mutmut("results", "--all", "true", capture=True)
+    names = re.findall(r"^\s*(\S+): (?:survived|no tests)$", listed, flags=re.M)
+    mutmut("run", "--max-children", str(os.cpu_count() or 2), *names)
+
+
 def report() -> str:
     """The markdown report of the last run (from ``mutmut results --all true``)."""
     results = re.findall(r"^\s*(eva0_edge\.runtime\.(\w+)\.\S+): (.+)$",
@@ -137,9 +153,13 @@ def _row(module: str, c: Counter) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report", action="store_true", help="rewrite the report only")
+    parser.add_argument("--retest", action="store_true",
+                        help="rerun the last run's survivors against the current tests")
     parser.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
     args = parser.parse_args()
-    if not args.report:
+    if args.retest:
+        retest()
+    elif not args.report:
         stage()
         mutmut("run", "--max-children", str(args.max_children))
     REPORT.write_text(report())
