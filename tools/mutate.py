@@ -33,7 +33,7 @@ PACKAGE_DIRS = {"runtime": "runtime", "exporter": "exporter", "quant": "quant", 
 MODULES = ["estimator", "update", "losses", "rates", "stepcontrol", "shift", "guard", "state",
            "statelimits"]
 TESTS = ["tests/test_objectives.py", "tests/test_estimator.py", "tests/test_batch_rates.py",
-         "tests/test_guard_units.py",
+         "tests/test_guard_units.py", "tests/test_update.py",
          "tests/test_shift.py", "tests/test_guard.py", "tests/test_state_validation.py"]
 TEST_MARKERS = "not integration and not slow"
 # Lines not mutated: log calls and the text of error messages (wording, not numbers; the
