@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from eva0_edge.runtime.atomic import atomic_write
 from eva0_edge.runtime.cache import cache_dir
 from eva0_edge.runtime.data import IMAGE_SUFFIXES, InputStream
 from eva0_edge.runtime.metadata import Preprocessing
+from eva0_edge.runtime.progress import progress_bar
 
 from .corruptions import CORRUPTIONS, corrupt_images
 from .fashion_mnist import load_fashion_mnist, train_val_indices
@@ -106,11 +106,9 @@ def corrupted_fmnist(
         return corrupt_images(images[indices], corruption, severity, seed,
                               indices=indices), labels[indices]
     out = np.empty_like(images)
-    for start in tqdm(
-        range(0, len(images), _CHUNK),
-        desc=f"generating {split} {corruption}-{severity}",
-        disable=None if progress else True,  # None: off when not a terminal
-        leave=False,
+    for start in progress_bar(
+        range(0, len(images), _CHUNK), desc=f"generating {split} {corruption}-{severity}",
+        unit="chunk", quiet=not progress, leave=False,
     ):
         stop = min(start + _CHUNK, len(images))
         out[start:stop] = corrupt_images(images[start:stop], corruption, severity, seed, start)

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
-from tqdm import tqdm
 
 from eva0_edge.runtime.metadata import Preprocessing
+from eva0_edge.runtime.progress import progress_bar
 
 from .datasets import Domain
 
@@ -98,9 +98,8 @@ def run_protocol(
     passes = SOAK_PASSES if protocol == "soak" else 1
     schedule = [(d, p) for p in range(1, passes + 1) for d in domains]
     total = sum(-(-len(d) // batch_size) for d, _ in schedule)
-    bar = tqdm(
-        total=total, desc=f"{name} [{protocol}]", disable=None if progress else True, leave=False
-    )
+    bar = progress_bar(total=total, desc=f"{name} [{protocol}]", unit="batch",
+                       quiet=not progress, leave=False)
     for i, (domain, pass_index) in enumerate(schedule):
         if i > 0 and protocol in ("single", "imbalanced"):
             method.reset()

@@ -9,6 +9,8 @@ from eva0_edge.runtime.config import parse_key_values
 
 
 def _cmd_export(args: argparse.Namespace) -> None:
+    from eva0_edge.runtime.progress import heartbeat
+
     try:
         from eva0_edge.exporter import export_model
     except ImportError as err:
@@ -18,18 +20,19 @@ def _cmd_export(args: argparse.Namespace) -> None:
         with open(args.labels, encoding="utf-8") as f:
             labels = [line.strip() for line in f if line.strip()]
     input_size = tuple(int(v) for v in args.input_size.split(",")) if args.input_size else None
-    metadata = export_model(
-        args.arch,
-        args.output,
-        checkpoint=args.checkpoint,
-        adapt=args.adapt,
-        model_kwargs=parse_key_values(args.set or []),
-        labels=labels,
-        input_size=input_size,
-        opset=args.opset,
-        prompts=args.prompts,
-        prompt_seed=args.prompt_seed,
-    )
+    with heartbeat(f"exporting {args.arch}", quiet=args.quiet):
+        metadata = export_model(
+            args.arch,
+            args.output,
+            checkpoint=args.checkpoint,
+            adapt=args.adapt,
+            model_kwargs=parse_key_values(args.set or []),
+            labels=labels,
+            input_size=input_size,
+            opset=args.opset,
+            prompts=args.prompts,
+            prompt_seed=args.prompt_seed,
+        )
     adapted = (
         f"black-box prompt [R, {', '.join(map(str, metadata.theta_layout[0].shape))}]"
         if metadata.is_prompt_model else f"theta [R, {metadata.num_params}]"
@@ -63,5 +66,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "adaptable input, weights frozen (for foa / foa-dagger / eva0-clubs)")
     p.add_argument("--prompt-seed", type=int, default=0, help="initial prompt seed (default 0)")
     p.add_argument("-o", "--output", required=True, help="output .onnx path")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress")
     p.set_defaults(func=_cmd_export)
 

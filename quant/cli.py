@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 from eva0_edge.runtime.cli import int_in
 
 
 def _cmd_quantize(args: argparse.Namespace) -> None:
-    from tqdm import tqdm
-
     from eva0_edge.runtime.data import open_input
     from eva0_edge.runtime.modelfile import read_metadata
+    from eva0_edge.runtime.progress import progress_bar
 
     from . import quantize_model
 
@@ -24,7 +22,7 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
                          f"{args.calib_images}")
     _, calibration, _ = next(stream.batches(args.calib_images))
     start = time.perf_counter()
-    bar = tqdm(desc="searching scales", unit="layer", disable=args.quiet, file=sys.stderr)
+    bar = progress_bar(desc="searching scales", unit="layer", quiet=args.quiet)
 
     def progress(done: int, total: int, layer: str) -> None:
         bar.total = total

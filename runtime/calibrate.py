@@ -7,11 +7,11 @@ import os
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from .data import InputStream
 from .head import HeadError, LinearHead, read_head
 from .modelfile import load_onnx, read_metadata, save_onnx, set_metadata
+from .progress import progress_bar
 from .session import AdaptableSession
 
 log = logging.getLogger(__name__)
@@ -35,11 +35,9 @@ def source_statistics(
     total_sq = np.zeros_like(total)
     head_total = np.zeros(head.width if head else 0, dtype=np.float64)
     count = 0
-    for _, x, _ in tqdm(
-        stream.batches(batch_size),
-        total=-(-len(stream) // batch_size),
-        desc="calibrate",
-        disable=None if progress else True,  # None: off when not a terminal
+    for _, x, _ in progress_bar(
+        stream.batches(batch_size), total=-(-len(stream) // batch_size), desc="calibrate",
+        unit="batch", quiet=not progress,
     ):
         x = session.check_input(x)
         _, features = session.run(x, np.broadcast_to(theta0, (x.shape[0], theta0.size)))

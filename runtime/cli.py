@@ -187,12 +187,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> None:
 def _cmd_adapt(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from tqdm import tqdm
-
     from .data import open_input
     from .foa import FOAModel
     from .methods import load_method
     from .predictions import PredictionWriter
+    from .progress import progress_bar
 
     model = load_method(
         args.model, args.method, method_overrides(args), args.seed, args.provider,
@@ -212,11 +211,10 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
     failure: Exception | None = None
     with PredictionWriter(args.output, model.metadata.labels, args.logits) as writer, \
             StopRequest() as stop:
-        progress = tqdm(
+        progress = progress_bar(
             stream.batches(args.batch_size, skip_bad=args.on_bad_input == "skip"),
-            total=-(-len(stream) // args.batch_size),
-            desc=args.method,
-            disable=True if args.quiet else None,  # None: off when not a terminal
+            total=-(-len(stream) // args.batch_size), desc=args.method, unit="batch",
+            quiet=args.quiet,
         )
         try:
             for names, x, labels in progress:

@@ -99,3 +99,39 @@ def test_bench_with_its_defaults_runs_what_the_model_can_and_names_what_it_skips
     for method in ("noadapt", "eva0", "zoa", "tent"):
         assert f"| {method} | 1 |" in out
     assert "| foa |" not in out
+
+
+def test_progress_off_a_terminal_is_plain_lines_and_on_one_a_bar():
+    import io
+
+    from eva0_edge.runtime.progress import progress_bar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    log, terminal = io.StringIO(), Terminal()
+    for stream in (log, terminal):
+        assert list(progress_bar(range(3), total=3, desc="adapt", stream=stream)) == [0, 1, 2]
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue() and len(lines) >= 2  # the start and the end
+    assert lines[0].startswith("adapt:") and "3/3" in lines[-1]
+    assert "\r" in terminal.getvalue()  # tqdm redraws its bar in place
+    quiet = io.StringIO()
+    assert list(progress_bar(range(2), quiet=True, stream=quiet)) == [0, 1]
+    assert quiet.getvalue() == ""
+
+
+def test_a_heartbeat_shows_an_opaque_call_is_running():
+    import io
+    import re
+    import time
+
+    from eva0_edge.runtime import progress
+
+    log = io.StringIO()
+    with progress.heartbeat("exporting x", stream=log):
+        time.sleep(2.3)
+    lines = log.getvalue().splitlines()
+    assert lines[0].startswith("exporting x:")
+    assert re.match(r"exporting x: [1-9]\d*s ", lines[-1])  # the seconds it ran
