@@ -11,7 +11,7 @@ import numpy as np
 
 from eva0_edge.runtime.atomic import atomic_write_bytes
 
-from .output import pyplot, save_figure
+from .output import pyplot, save_figure, tidy
 from .protocols import StreamResult
 
 
@@ -99,7 +99,7 @@ def results_json(results: dict[str, StreamResult], spec: dict[str, Any]) -> str:
             for name, r in results.items()
         },
     }
-    return json.dumps(payload, indent=2)
+    return json.dumps(tidy(payload), indent=2)
 
 
 def _json_number(value: float) -> float | None:
@@ -120,8 +120,9 @@ def write_report(results: dict, spec: dict[str, Any], out_dir: Path) -> dict[str
     """Write ``results.md``, ``results.json`` and ``stream.png`` into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     sizes = spec.get("batch_sizes") or [spec["batch_size"]]
-    title = (f"{spec['model']} - {spec['dataset']} severity {spec['severity']}, "
-             f"{spec['protocol']}, batch {','.join(map(str, sizes))}")
+    data = ("clean test images" if spec.get("corruptions") == ["clean"]
+            else f"{spec['dataset']} severity {spec['severity']}")
+    title = f"{spec['model']} - {data}, {spec['protocol']}, batch {','.join(map(str, sizes))}"
     md = f"## {title}\n\n{markdown_table(results)}\n\n```json\n{json.dumps(spec)}\n```\n"
     paths = {"md": out_dir / "results.md", "json": out_dir / "results.json",
              "png": out_dir / "stream.png"}

@@ -135,3 +135,11 @@ def test_a_heartbeat_shows_an_opaque_call_is_running():
     lines = log.getvalue().splitlines()
     assert lines[0].startswith("exporting x:")
     assert re.match(r"exporting x: [1-9]\d*s ", lines[-1])  # the seconds it ran
+
+
+def test_reports_round_float_noise_and_print_the_load_readably():
+    from eva0_edge.bench.output import load_text, tidy
+
+    assert tidy({"a": [80.52000000000001, (1 / 3, 2)], "b": "x", "c": 7}) == {
+        "a": [80.52, [0.3333333333, 2]], "b": "x", "c": 7}
+    assert load_text((0.5, 1.25, 12.0)) == "0.50 / 1.25 / 12.00"
