@@ -137,3 +137,58 @@ def test_observe_waits_for_warmup_then_trips_or_checkpoints():
     tripped.observe(_batch(True, rows=4), 0.0, None)
     reason, due = tripped.observe(_batch(True, rows=4), 2.0, None)
     assert reason == "drift 2 above its bound 1" and not due
+
+
+def _duel(guard: HealthGuard, candidate: np.ndarray, candidate_features: float,
+          source_features: float = 0.5) -> str:
+    logits = np.vstack([candidate, _batch(True)])
+    features = np.vstack([np.full((4, 2), candidate_features), np.full((4, 2), source_features)])
+    guard.observe_pause(logits, features, dueled=True)
+    return guard.pause_verdict(dueled=True, needed=4)
+
+
+def test_each_signal_of_a_side_counts_in_the_verdict():
+    """theta0 healthy everywhere; the candidate breaks one bound at a time and loses."""
+    assert _duel(_guard(alignment_max=2.0), _batch(True), 1.0) == "checkpoint"  # 2.0: on it
+    assert _duel(_guard(alignment_max=2.0), _batch(True), 1.1) == "theta0"  # 2.21, margin ok
+    one_class = np.tile([[20.0, 0.0, 0.0, 0.0]], (4, 1))
+    assert _duel(_guard(spread_min=0.5), one_class, 0.5) == "theta0"
+    assert _duel(_guard(logit_norm_max=30.0), _batch(True) * 2, 0.5) == "theta0"  # 40 vs 20
+    assert _duel(_guard(logit_norm_max=50.0), _batch(True) * 2, 0.5) == "checkpoint"
+
+
+def test_without_source_statistics_a_healthy_candidate_wins_on_its_signals():
+    guard = HealthGuard(bounds(entropy_max=0.5), window=1e9, warmup=4, checkpoint_every=8)
+    assert _duel(guard, _batch(True), 50.0) == "checkpoint"
+    assert guard.last_duel == (None, None)
+    alone = _guard(entropy_max=0.5)
+    alone.last_duel = (1.0, 2.0)
+    alone.observe_pause(_batch(True), np.ones((4, 2)), dueled=False)
+    alone.pause_verdict(dueled=False, needed=4)
+    assert alone.last_duel == (None, None)  # no duel, no distances
+
+
+def test_observed_signals_trip_each_bound_by_name():
+    cases = [(bounds(spread_min=0.5), np.tile([[20.0, 0.0, 0.0, 0.0]], (4, 1)), 0.0, None),
+             (bounds(logit_norm_max=10.0), _batch(True), 0.0, None),
+             (bounds(alignment_max=1.0), _batch(True), 0.0, 3.0),
+             (bounds(drift_max=1.0), _batch(True), 1.5, None)]
+    for b, logits, drift, alignment in cases:
+        guard = HealthGuard(b, window=1e9, warmup=4, checkpoint_every=8)
+        reason, _ = guard.observe(logits, drift, alignment)
+        name = next(k.rsplit("_", 1)[0] for k, v in b.__dict__.items() if v is not None)
+        assert reason is not None and reason.startswith(name), (name, reason)
+    assert HealthGuard(bounds(), 1e9, 4, 8).values(0.0, None) == dict.fromkeys(
+        ("entropy", "spread", "logit_norm", "drift", "alignment"))
+
+
+def test_a_second_trip_within_a_window_of_the_first_goes_to_theta0():
+    guard = HealthGuard(bounds(), window=10, warmup=4, checkpoint_every=8)
+    guard.since_checkpoint = 5
+    assert guard.tripped("entropy low") is False  # the first trip: to the checkpoint
+    assert (guard.since_rollback, guard.since_checkpoint, guard.last_reason) == (
+        0, 0, "entropy low")
+    guard.observe(_batch(True, rows=13), 0.0, None)  # 13 < warmup + window = 14
+    assert guard.tripped("spread low") is True
+    guard.observe(_batch(True, rows=14), 0.0, None)  # a full window since: healthy again
+    assert guard.tripped("spread low") is False

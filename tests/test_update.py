@@ -172,3 +172,17 @@ def test_a_windowed_update_of_a_batch_is_its_samples_one_by_one():
     assert batched_weight == pytest.approx(weight) == pytest.approx(1 - 0.7**5)
     raw = sum(0.3 * 0.7 ** (4 - i) * samples[i] for i in range(5))
     np.testing.assert_allclose(batched, raw / (1 - 0.7**5), rtol=1e-12)
+
+
+def test_balancing_at_its_edges():
+    """eps counts (a visible eps here), a small inward move is never damped, an outward move
+    while inward movement dominates is not amplified."""
+    e = np.array([1.0, 0.0])
+    small_in, a_in, a_out = balance(np.array([0.5, 1.0]), 2 * e, 0.0, 0.0, 0.5, 1e-12)
+    np.testing.assert_allclose(small_in, [0.5, 1.0])
+    out, a_in, a_out = balance(np.array([-0.1, 1.0]), 2 * e, 4.0, 0.0, 0.5, 1e-12)
+    np.testing.assert_allclose(out, [-0.1, 1.0])  # a_in 2 > a_out 0.05: scale capped at 1
+    damped, _, _ = balance(np.array([-1.0, 0.0]), np.array([3.0, 0.0]), 1.0, 1.0, 0.5, 1.0)
+    # e = (3, 0) / (3 + 1); c = -0.75; a_in = 0.5, a_out = 0.875; scale = 0.5 / 1.875
+    c, e = -0.75, np.array([0.75, 0.0])
+    np.testing.assert_allclose(damped, [-1.0 + (0.5 / 1.875 - 1.0) * c * e[0], 0.0])
