@@ -245,3 +245,91 @@ def test_a_window_square_below_its_means_norm_is_refused_within_rounding_only():
     state.shift_recent, state.shift_recent_sq = np.array([12.0, 0.0]), 143.0
     with pytest.raises(StateError, match="below the squared norm of shift_recent"):
         limits.check(state)
+
+
+def _plain_dict() -> dict:
+    from eva0_edge.runtime.state import AdaptState
+
+    return AdaptState.initial(np.linspace(-1, 1, 4), 3, 2, seed=5).to_dict()
+
+
+@pytest.mark.parametrize("ready,weight", [(True, 1.0), (False, 0.0)])
+def test_a_version_one_state_loads_with_its_defaults(ready, weight):
+    from eva0_edge.runtime.state import AdaptState
+
+    old = _plain_dict()
+    for name in ("stat_weight", "healthy_theta", "coef_scale", "coef_weight", "clipped_coefs",
+                 "clipped_steps", "guard_trips", "pause_left", "frozen"):
+        old.pop(name)
+    old["moments_ready"] = ready
+    state = AdaptState.from_dict(old)
+    assert state.stat_weight == weight and state.moments_ready is ready
+    np.testing.assert_array_equal(state.healthy_theta, old["theta"])
+    assert (state.coef_scale, state.coef_weight, state.clipped_coefs, state.guard_trips,
+            state.pause_left, state.frozen) == (0.0, 0.0, 0, 0, 0, False)
+    new = {**_plain_dict(), "stat_weight": 0.25, "moments_ready": True}
+    assert AdaptState.from_dict(new).stat_weight == 0.25  # the newer field wins
+    with pytest.raises(StateError, match="lacks"):
+        AdaptState.from_dict({k: v for k, v in _plain_dict().items() if k != "step"})
+
+
+@pytest.mark.parametrize("name,value,ok", [
+    ("step", 2**63 - 1, True), ("step", 2**63, False), ("step", True, False),
+    ("step", 3.0, False), ("step", -1, False), ("seed", np.int64(7), True),
+    ("stat_weight", 1.0, True), ("stat_weight", 1.5, False), ("stat_weight", True, False),
+    ("stat_weight", -0.1, False), ("stat_weight", float("nan"), False),
+    ("coef_scale", 1e30, True), ("coef_scale", float("inf"), False),
+    ("coef_scale", "1", False), ("frozen", 1, False),
+])
+def test_every_scalar_of_a_state_is_checked(name, value, ok):
+    from eva0_edge.runtime.state import AdaptState
+
+    values = {**_plain_dict(), name: value}
+    if ok:
+        assert getattr(AdaptState.from_dict(values), name) == value
+    else:
+        with pytest.raises(StateError, match=name):
+            AdaptState.from_dict(values)
+
+
+def test_shift_windows_hold_at_most_their_size_the_rest_exactly():
+    from eva0_edge.runtime.state import AdaptState, check_state_sizes
+
+    sizes = {"theta": 4, "shift_mean": 2, "shift_recent": 2}
+    state = AdaptState.from_dict(_plain_dict())
+    state.shift_mean = np.zeros(2)
+    check_state_sizes(state, sizes)  # a full window
+    state.shift_mean = np.zeros(0)
+    check_state_sizes(state, sizes)  # an empty one
+    state.shift_recent = np.zeros(3)
+    with pytest.raises(StateError, match="shift_recent has 3 values"):
+        check_state_sizes(state, sizes)
+    with pytest.raises(StateError, match="theta has shape"):
+        check_state_sizes(state, {"theta": 5})
+
+
+def test_a_state_file_round_trips_and_a_missing_or_foreign_one_is_named(tmp_path):
+    from eva0_edge.runtime.state import (
+        AdaptState,
+        encode_state,
+        read_state_file,
+        write_state_file,
+    )
+
+    state = AdaptState.from_dict(_plain_dict())
+    path = write_state_file(tmp_path / "s.npz", encode_state(state, "fp-a", {"method": "eva0"}))
+    loaded, info = read_state_file(path, "fp-a")
+    np.testing.assert_array_equal(loaded.theta, state.theta)
+    assert info["method"] == "eva0"
+    with pytest.raises(StateError, match=f"{path}: .*another model"):
+        read_state_file(path, "fp-b")
+    with pytest.raises(FileNotFoundError, match="missing.npz"):
+        read_state_file(tmp_path / "missing.npz")
+
+
+def test_an_empty_long_window_does_not_skip_the_short_windows_check():
+    limits, state = _limits_and_state()
+    state.shift_mean, state.shift_sq = np.zeros(0), 0.0
+    state.shift_recent, state.shift_recent_sq = np.array([12.0, 0.0]), 100.0
+    with pytest.raises(StateError, match="below the squared norm of shift_recent"):
+        limits.check(state)

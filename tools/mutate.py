@@ -46,9 +46,6 @@ EQUIVALENT: dict[str, str] = {
         "astype(None) is astype(float64)",
     "eva0_edge.runtime.statelimits.xǁStateLimitsǁcheck__mutmut_22":
         "astype(None) is astype(float64)",
-    "eva0_edge.runtime.statelimits.xǁStateLimitsǁ_check_shift__mutmut_28":
-        "break for continue after an empty window: both windows have the model's size "
-        "(check_state_sizes), so an empty first window means an empty second one",
     "eva0_edge.runtime.statelimits.xǁStateLimitsǁ_check_shift__mutmut_31":
         "<= for < at the rounding allowance itself: differs only when the square equals "
         "norm2 (1 - 1e-9) - 1e-12 to the last bit",
