@@ -79,15 +79,21 @@ def _rows(theta: np.ndarray, step: np.ndarray) -> np.ndarray:
     return (theta + step).astype(np.float32)
 
 
+def _sides(session: ToySession, x: np.ndarray, theta: np.ndarray, step: np.ndarray, mu: float):
+    """(logits at theta + step, at theta - step, the plain-entropy coefficients)."""
+    plus, _ = session.run(x, _rows(theta, step))
+    minus, _ = session.run(x, _rows(theta, -step))
+    coef = (softmax_entropy(plus.astype(np.float64))
+            - softmax_entropy(minus.astype(np.float64))) / (2 * mu)
+    return plus, minus, coef
+
+
 def test_prediction_coefficients_and_gradient_of_the_two_sided_estimate():
     config, session, estimator, x, state = _setup()
     est = estimator.estimate(x, state, seed=3, step_index=5, n_anchor=0, control=False)
     z = _z(3, 5, 6)
-    plus, _ = session.run(x, _rows(state.theta, config.mu * z))
-    minus, _ = session.run(x, _rows(state.theta, -config.mu * z))
+    plus, minus, coef = _sides(session, x, state.theta, config.mu * z, config.mu)
     np.testing.assert_allclose(est.prediction, (plus + minus) / 2, rtol=1e-6)
-    coef = (softmax_entropy(plus.astype(np.float64))
-            - softmax_entropy(minus.astype(np.float64))) / (2 * config.mu)
     np.testing.assert_allclose(est.coef, coef, rtol=1e-5, atol=1e-9)
     np.testing.assert_allclose(est.grad, coef @ z.astype(np.float64) / 6, rtol=1e-5, atol=1e-9)
     assert session.counter.samples == 6 and session.counter.forwards == 4 * 6  # 12 + our 12
@@ -124,12 +130,9 @@ def test_a_shared_perturbation_moves_every_sample_of_its_pair_alike(forwards):
     est = estimator.estimate(x, state, seed=4, step_index=1, n_anchor=0, control=False)
     z = _z(4, 1, pairs)
     step = np.repeat(config.mu * z, 6, axis=0)
-    plus, _ = session.run(x, _rows(state.theta, step))
-    minus, _ = session.run(x, _rows(state.theta, -step))
+    plus, minus, coef = _sides(session, x, state.theta, step, config.mu)
     np.testing.assert_allclose(est.prediction,
                                (plus + minus).reshape(pairs, 6, K).mean(axis=0) / 2, rtol=1e-6)
-    coef = (softmax_entropy(plus.astype(np.float64))
-            - softmax_entropy(minus.astype(np.float64))) / (2 * config.mu)
     np.testing.assert_allclose(est.coef, coef, rtol=1e-5, atol=1e-9)
     grad = coef.reshape(pairs, 6).mean(axis=1) @ z.astype(np.float64) / pairs
     np.testing.assert_allclose(est.grad, grad, rtol=1e-5, atol=1e-9)
@@ -139,12 +142,9 @@ def test_more_forwards_average_more_pairs_of_rows():
     config, session, estimator, x, state = _setup({"forwards": 4})
     est = estimator.estimate(x, state, seed=4, step_index=1, n_anchor=0, control=False)
     z = _z(4, 1, 12)
-    plus, _ = session.run(x, _rows(state.theta, config.mu * z))
-    minus, _ = session.run(x, _rows(state.theta, -config.mu * z))
+    plus, minus, coef = _sides(session, x, state.theta, config.mu * z, config.mu)
     np.testing.assert_allclose(est.prediction, (plus + minus).reshape(2, 6, K).mean(axis=0) / 2,
                                rtol=1e-6)
-    coef = (softmax_entropy(plus.astype(np.float64))
-            - softmax_entropy(minus.astype(np.float64))) / (2 * config.mu)
     np.testing.assert_allclose(est.grad, coef @ z.astype(np.float64) / 12, rtol=1e-5, atol=1e-9)
 
 
@@ -154,10 +154,7 @@ def test_anchor_rows_follow_the_scaled_anchor_direction():
     est = estimator.estimate(x, state, seed=6, step_index=2, n_anchor=2, control=False)
     d_bar = anchor_direction(state.theta, state.anchor, config.delta)
     z = _z(6, 2, 6, 2, d_bar)
-    plus, _ = session.run(x, _rows(state.theta, config.mu * z))
-    minus, _ = session.run(x, _rows(state.theta, -config.mu * z))
-    coef = (softmax_entropy(plus.astype(np.float64))
-            - softmax_entropy(minus.astype(np.float64))) / (2 * config.mu)
+    _, _, coef = _sides(session, x, state.theta, config.mu * z, config.mu)
     np.testing.assert_allclose(est.grad, coef @ z.astype(np.float64) / 6, rtol=1e-5, atol=1e-9)
 
 
