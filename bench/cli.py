@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from eva0_edge.runtime.cli import (
     add_runtime_options,
@@ -20,6 +21,8 @@ def _cmd_eval(args: argparse.Namespace) -> None:
         from eva0_edge.bench.report import markdown_table
     except ImportError as err:
         raise missing_extra("eval", "bench", err) from err
+    if not args.verbose:  # trips and skips are routine on corrupted streams: the report counts them
+        logging.getLogger("eva0_edge.runtime.engine").setLevel(logging.ERROR)
     spec = EvalSpec(
         model=args.model,
         dataset=args.dataset,
@@ -56,6 +59,13 @@ def _cmd_eval(args: argparse.Namespace) -> None:
             print(f"{name}: {result.skipped_steps} adaptation steps skipped (non-finite)")
     if args.out:
         print(f"report: {args.out}/results.md, results.json, stream.png")
+
+
+def concrete_provider(provider: str) -> str:
+    """``cpu`` or ``cuda`` for a provider name (``auto``: CUDA when a GPU is usable)."""
+    from eva0_edge.runtime.session import PROVIDERS, resolve_providers
+
+    return "cuda" if resolve_providers(provider)[0] == PROVIDERS["cuda"] else "cpu"
 
 
 def _cmd_bench(args: argparse.Namespace) -> None:
@@ -98,7 +108,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         torch_spec=torch_spec,
         progress=not args.quiet,
         prompt_model=bench_prompt_model(model, args.arch, args.seed, args.prompt_model, methods),
-        provider=args.provider,
+        provider=concrete_provider(args.provider),
     )
     print(markdown(report))
     if args.out:
@@ -158,7 +168,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-model", help="prompt model for foa / foa-dagger / eva0-clubs "
                    "(default: exported from --arch, or the shipped model's prompt variant)")
     p.add_argument("--seed", type=int, default=0, help="weight seed for --arch (default 0)")
-    p.add_argument("--provider", default="cpu", choices=["cpu", "cuda"],
+    p.add_argument("--provider", default="cpu", choices=["auto", "cpu", "cuda"],
                    help="ORT provider of the runtime methods (default cpu; tent stays in torch "
                    "on the CPU)")
     p.add_argument("--out", help="folder for cost.md / cost.json / cost.png")

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("eva0_edge")
 
+PROVIDER_HELP = "ONNX Runtime provider (default auto: CUDA when onnxruntime-gpu sees a GPU)"
 IO_BINDING_HELP = (
     "run ORT through IOBinding: outputs into buffers reused from step to step (on CUDA the "
     "inputs into reused device buffers, split sessions' activations kept on the GPU; "
@@ -88,7 +89,8 @@ def add_runtime_options(p: argparse.ArgumentParser, *, method: bool = True) -> N
         )
         p.add_argument("--budget", type=float, metavar="F", help=BUDGET_HELP)
     p.add_argument("--batch-size", type=int_in(1), default=64, help="default 64")
-    p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"],
+                   help=PROVIDER_HELP)
     if method:
         p.add_argument("--io-binding", action=argparse.BooleanOptionalAction,
                        help=IO_BINDING_HELP)
@@ -354,7 +356,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("adapt", help="predict and adapt over an offline stream")
     p.add_argument("--model", required=True, help="adaptable .onnx file")
     p.add_argument("--input", required=True, help="folder of images, .npy or .npz (the stream)")
-    p.add_argument("--output", required=True, help="predictions .jsonl or .csv")
+    p.add_argument("-o", "--output", required=True, help="predictions .jsonl or .csv")
     p.add_argument("--logits", action="store_true", help="also write the logits")
     p.add_argument("--method", default="eva0", type=_runtime_method, help=RUNTIME_METHOD_HELP)
     p.add_argument("--state", help="state file: resumed from if it exists, saved at the end")
@@ -403,7 +405,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="hyper-parameter override, repeatable")
     p.add_argument("--budget", type=float, metavar="F", help=BUDGET_HELP)
-    p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"],
+                   help=PROVIDER_HELP)
     p.add_argument("--replicas", type=int_in(1), help="serve N replicas on Ray Serve with merged "
                    "adaptation (the [fleet] extra); --state-dir then holds the fleet's snapshots")
     p.add_argument("--ray-address", help="join this Ray cluster (default: a local instance)")
