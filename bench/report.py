@@ -22,30 +22,44 @@ def _running_accuracy(result, window: int = 20) -> np.ndarray:
 
 
 def plot_stream(results: dict, title: str, path: Path) -> None:
+    """Accuracy (moving, over about 2% of the stream), drift and logit norm of every run
+    against the images seen, so runs at different batch sizes line up; each run its own
+    colour / line style, each domain named at its start."""
     plt = pyplot()
-    fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
-    for name, r in results.items():
+    fig, axes = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
+    colors, styles = plt.get_cmap("tab20").colors, ["-", "--", ":", "-."]
+    for i, (name, r) in enumerate(results.items()):
         if len(r.batch_correct) == 0:
             continue
-        window = max(1, min(20, len(r.batch_correct) // 10))
-        acc = _running_accuracy(r, window)
-        axes[0].plot(np.arange(len(acc)) + window - 1, acc, label=name, lw=1)
+        images = np.cumsum(r.batch_size)
+        style = {"color": colors[i % len(colors)], "ls": styles[i // len(colors) % 4],
+                 "lw": 1, "label": name}
+        per_batch = images[-1] / len(images)
+        window = int(np.clip(round(images[-1] / 50 / per_batch), 1, len(images)))
+        axes[0].plot(images[window - 1:], _running_accuracy(r, window), **style)
         drift = np.asarray(r.drift)
         if np.isfinite(drift).any():
-            axes[1].plot(drift, label=name, lw=1)
-        axes[2].plot(r.logit_norm, label=name, lw=1)
+            axes[1].plot(images, drift, **style)
+        axes[2].plot(images, r.logit_norm, **style)
     first = next(iter(results.values()))
-    boundaries = [i for i in range(1, len(first.batch_domain))
-                  if first.batch_domain[i] != first.batch_domain[i - 1]]
+    ends = np.cumsum(first.batch_size)
+    starts = [0] + [int(ends[i - 1]) for i in range(1, len(first.batch_domain))
+                    if first.batch_domain[i] != first.batch_domain[i - 1]]
+    names = [first.batch_domain[0]] + [first.batch_domain[i]
+                                       for i in range(1, len(first.batch_domain))
+                                       if first.batch_domain[i] != first.batch_domain[i - 1]]
     for ax in axes:
-        for b in boundaries:
-            ax.axvline(b, color="grey", lw=0.3)
+        for x in starts[1:]:
+            ax.axvline(x, color="grey", lw=0.3)
+    for x, domain in zip(starts, names, strict=True):
+        axes[0].text(x, 1.01, domain.replace("_", " "), transform=axes[0].get_xaxis_transform(),
+                     rotation=35, fontsize=6, ha="left", va="bottom")
     axes[0].set_ylabel("accuracy % (moving)")
     axes[1].set_ylabel("||theta - theta0||")
     axes[2].set_ylabel("mean logit norm")
-    axes[2].set_xlabel("batch along the stream (grey lines: domain changes)")
-    axes[0].legend(fontsize=8, ncol=4)
-    axes[0].set_title(title)
+    axes[2].set_xlabel("images along the stream (grey lines: domain changes)")
+    axes[2].legend(fontsize=7, ncol=4, loc="upper left")
+    fig.suptitle(title)
     save_figure(fig, path)
 
 
