@@ -333,3 +333,132 @@ def test_an_empty_long_window_does_not_skip_the_short_windows_check():
     state.shift_recent, state.shift_recent_sq = np.array([12.0, 0.0]), 100.0
     with pytest.raises(StateError, match="below the squared norm of shift_recent"):
         limits.check(state)
+
+
+UNPICKLED: list[str] = []
+
+
+class Marker:
+    """Records being unpickled: a state must never unpickle anything."""
+
+    def __init__(self) -> None:
+        self.tag = 1  # a state to set: unpickling calls __setstate__
+
+    def __setstate__(self, state) -> None:
+        UNPICKLED.append("unpickled")
+
+
+def _reencoded(meta_changes=None, arrays=None, drop=()) -> bytes:
+    """A state archive re-written with ``meta_changes`` / ``arrays`` (the checksum kept)."""
+    from eva0_edge.runtime.state import AdaptState
+
+    data = encode_state(AdaptState.from_dict(_plain_dict()), "fp", {"method": "eva0"})
+    with np.load(io.BytesIO(data)) as npz:
+        meta = json.loads(str(npz["__meta__"]))
+        members = {k: npz[k] for k in npz.files if k != "__meta__"}
+    meta.update(meta_changes or {})
+    for name in drop:
+        meta.pop(name)
+    members.update(arrays or {})
+    buf = io.BytesIO()
+    np.savez(buf, __meta__=np.array(json.dumps(meta)), **members)
+    return buf.getvalue()
+
+
+def test_a_state_file_records_its_version_checksum_and_info():
+    from eva0_edge.runtime.state import STATE_VERSION, decode_state
+
+    data = _reencoded()
+    with np.load(io.BytesIO(data)) as npz:
+        meta = json.loads(str(npz["__meta__"]))
+    assert meta["version"] == STATE_VERSION and meta["info"] == {"method": "eva0"}
+    assert decode_state(data, "fp")[1] == {"method": "eva0"}
+    assert decode_state(_reencoded(drop=("info",)))[1] == {}
+    assert decode_state(_reencoded({"info": [1, 2]}))[1] == {}
+    decode_state(_reencoded(drop=("version",)))  # before versions were written: version 0
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"version": 99}, "newer than this runtime"),
+    ({"version": True}, "version must be an integer"),
+    ({"version": "3"}, "version must be an integer"),
+    ({"scalars": [1]}, "no scalars"),
+])
+def test_a_state_with_bad_metadata_is_refused(change, match):
+    from eva0_edge.runtime.state import decode_state
+
+    with pytest.raises(StateError, match=match):
+        decode_state(_reencoded(change))
+
+
+def test_the_checksum_covers_values_dtype_and_shape():
+    from eva0_edge.runtime.state import decode_state
+
+    theta = _plain_dict()["theta"]
+    flipped = theta.copy()
+    flipped[0] += 1.0
+    same_bytes = np.frombuffer(theta.tobytes(), dtype=np.float64)  # 4 float32 as 2 float64
+    for changed in (flipped, same_bytes, theta.reshape(2, 2)):
+        with pytest.raises(StateError, match="checksum"):
+            decode_state(_reencoded(arrays={"theta": changed}))
+
+
+def test_members_are_checked_from_their_headers():
+    from eva0_edge.runtime.state import decode_state
+
+    sizes = {name: value.size for name, value in _plain_dict().items()
+             if isinstance(value, np.ndarray)}
+    sizes["shift_mean"] = sizes["shift_recent"] = 2
+    decode_state(_reencoded(), sizes=sizes)
+    for bad in (np.arange(4), np.zeros((2, 2))):  # ints, 2-D: refused before loading
+        with pytest.raises(StateError, match="declares"):
+            decode_state(_reencoded(arrays={"theta": bad}), sizes=sizes)
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as archive:
+        with np.load(io.BytesIO(_reencoded())) as npz:
+            for name in npz.files:
+                with archive.open(f"{name}.npy", "w") as member:
+                    value = np.array([str(npz[name])]) if name == "__meta__" else npz[name]
+                    np.lib.format.write_array(member, value, version=(2, 0))
+    with pytest.raises(StateError, match="'__meta__' must hold one string"):
+        decode_state(buf.getvalue(), sizes=sizes)
+
+
+def test_a_version_2_npy_member_loads():
+    from eva0_edge.runtime.state import decode_state
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as archive, np.load(io.BytesIO(_reencoded())) as npz:
+        for name in npz.files:
+            with archive.open(f"{name}.npy", "w") as member:
+                np.lib.format.write_array(member, npz[name], version=(2, 0))
+    sizes = {name: value.size for name, value in _plain_dict().items()
+             if isinstance(value, np.ndarray)}
+    state, _ = decode_state(buf.getvalue(), sizes=sizes)
+    np.testing.assert_array_equal(state.theta, _plain_dict()["theta"])
+
+
+def test_a_pickled_member_is_never_unpickled():
+    from eva0_edge.runtime.state import decode_state
+
+    data = _reencoded(arrays={"theta": np.array([Marker()], dtype=object)})
+    with pytest.raises(StateError):
+        decode_state(data)
+    assert UNPICKLED == []
+
+
+def test_array_fields_are_one_dimensional_floats_kept_in_their_dtypes():
+    from eva0_edge.runtime.state import AdaptState
+
+    big = np.finfo(np.float32).max
+    state = AdaptState.from_dict({**_plain_dict(), "theta": np.array([big, 0, 0, 0], np.float64)})
+    assert state.theta.dtype == np.float32 and state.theta[0] == big  # float32's edge fits
+    assert state.center.dtype == np.float64
+    for name, value, match in [
+        ("theta", np.zeros((2, 2)), "1-D float"),
+        ("theta", np.arange(4), "1-D float"),
+        ("second_moment", np.array([1.0, -1e-9]), "negative"),
+        ("theta", np.array([float(big) * 2.0, 0, 0, 0]), "float32's range"),
+    ]:
+        with pytest.raises(StateError, match=match):
+            AdaptState.from_dict({**_plain_dict(), name: value})

@@ -49,6 +49,16 @@ EQUIVALENT: dict[str, str] = {
     "eva0_edge.runtime.statelimits.xǁStateLimitsǁ_check_shift__mutmut_31":
         "<= for < at the rounding allowance itself: differs only when the square equals "
         "norm2 (1 - 1e-9) - 1e-12 to the last bit",
+    "eva0_edge.runtime.state.x__checked_array__mutmut_3":
+        "np.array(copy=None) may alias the input, but the astype at the end copies anyway",
+    "eva0_edge.runtime.state.x__checked_array__mutmut_5":
+        "np.array without copy=True may alias the input, but the astype at the end copies anyway",
+    "eva0_edge.runtime.state.x__checked_array__mutmut_6":
+        "np.array(copy=False) may alias the input, but the astype at the end copies anyway",
+    "eva0_edge.runtime.state.x__checked_array__mutmut_29":
+        "astype(None) is astype(float64)",
+    "eva0_edge.runtime.state.x_decode_state__mutmut_7":
+        "allow_pickle=None is falsy: pickles stay refused",
     "eva0_edge.runtime.stepcontrol.x_limit_step__mutmut_10":
         "initial=1.0 for 0.0 in the peak: the peak only rescales before the norm, "
         "norm = peak ||delta / peak|| is the same",
