@@ -14,7 +14,7 @@ was a third of the step, overlapped with nothing).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +35,7 @@ class DrawnNormals:
     seed: int
     step: int
     rows: np.ndarray
-    state_after: dict[str, Any]
+    state_after: Mapping[str, Any]
 
     @classmethod
     def draw(cls, seed: int, step: int, count: int, size: int) -> DrawnNormals:
