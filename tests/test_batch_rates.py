@@ -107,6 +107,8 @@ def test_the_clip_bound_is_clip_times_the_scale_or_the_first_batchs_median():
 def test_the_trust_radius_cuts_only_steps_longer_than_it():
     small, cut = limit_step(np.array([0.03, 0.04]), 0.01)
     assert cut and np.linalg.norm(small) == pytest.approx(0.01)
+    on_it, cut = limit_step(np.array([3.0, 4.0]), 5.0)
+    assert not cut and np.array_equal(on_it, [3.0, 4.0])  # a step of the radius itself
     for delta in (np.zeros(3), np.array([])):
         same, cut = limit_step(delta, 0.5)
         assert not cut and np.array_equal(same, delta)

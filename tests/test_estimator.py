@@ -208,6 +208,14 @@ def test_coefficients_are_clipped_at_their_running_scale_only_under_control():
     assert raw.control is None
 
 
+def test_a_shared_perturbation_regenerated_gives_the_same_estimate():
+    stored, regenerated = _setup({"sample_wise": False}), _setup({"sample_wise": False,
+                                                                 "regenerate_z": True})
+    grads = [estimator.estimate(x, state, seed=2, step_index=3, n_anchor=0, control=False).grad
+             for _, _, estimator, x, state in (stored, regenerated)]
+    np.testing.assert_allclose(grads[1], grads[0], rtol=1e-12)
+
+
 def test_regenerated_and_prefetched_perturbations_give_the_same_estimate():
     base, regen, prefetched = _setup(), _setup({"regenerate_z": True}), _setup(prefetch=True)
     for _, _, _, _, state in (base, regen, prefetched):

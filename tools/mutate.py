@@ -59,6 +59,18 @@ EQUIVALENT: dict[str, str] = {
         "astype(None) is astype(float64)",
     "eva0_edge.runtime.state.x_decode_state__mutmut_7":
         "allow_pickle=None is falsy: pickles stay refused",
+    "eva0_edge.runtime.estimator.xǁZerothOrderEstimatorǁ_gradient__mutmut_5":
+        "always redrawing a shared z gives the stored z: the plan is deterministic",
+    "eva0_edge.runtime.estimator.xǁZerothOrderEstimatorǁ_gradient__mutmut_15":
+        "reshape(pairs, -2): numpy reads any negative size as the unknown one",
+    "eva0_edge.runtime.estimator.xǁZerothOrderEstimatorǁ_gradient__mutmut_17":
+        "astype(None) is astype(float64)",
+    "eva0_edge.runtime.estimator.xǁZerothOrderEstimatorǁ_gradient__mutmut_20":
+        "astype(None) is astype(float64)",
+    "eva0_edge.runtime.estimator.xǁZerothOrderEstimatorǁ_gradient__mutmut_23":
+        "np.zeros(dtype=None) is float64",
+    "eva0_edge.runtime.rates.x_step_rates__mutmut_5":
+        "0.0 ** f is 0.0 for the positive f of any batch: momentum 0 stays 0",
     "eva0_edge.runtime.stepcontrol.x_limit_step__mutmut_10":
         "initial=1.0 for 0.0 in the peak: the peak only rescales before the norm, "
         "norm = peak ||delta / peak|| is the same",
