@@ -109,10 +109,25 @@ def mutmut(*args: str, capture: bool = False) -> str:
     return out.stdout if capture else ""
 
 
-def diff_of(name: str) -> str:
-    shown = mutmut("show", name, capture=True)
-    return "\n".join(line for line in shown.splitlines()
-                     if line[:1] in "+-" and not line.startswith(("+++", "---")))
+DIFFS_SCRIPT = """
+import json, sys
+from mutmut.mutation.diff_apply import get_diff_for_mutant
+out = {}
+for name in json.load(sys.stdin):
+    module = name.split(".")[2]
+    diff = get_diff_for_mutant(name, path=f"src/eva0_edge/runtime/{module}.py")
+    out[name] = "\\n".join(line for line in diff.splitlines()
+                           if line[:1] in "+-" and not line.startswith(("+++", "---")))
+print(json.dumps(out))
+"""
+
+
+def diffs_of(names: list[str]) -> dict[str, str]:
+    """Each mutant's changed lines, from mutmut in one process (``mutmut show`` per mutant
+    costs a start-up each)."""
+    out = subprocess.run([sys.executable, "-c", DIFFS_SCRIPT], cwd=STAGE, check=True, text=True,
+                         capture_output=True, input=json.dumps(names))
+    return json.loads(out.stdout)
 
 
 def retest() -> None:
@@ -153,10 +168,12 @@ def report() -> str:
     lines.append(_row("**all**", totals))
     lines += ["", "Timeouts are counted as killed (the mutant made the tests hang or crawl).",
               "", "## Surviving mutants", ""]
+    listed = [name for name, _, state in results if state in ("survived", "no tests")]
+    diffs = diffs_of(listed)
     for name, _, state in results:
         if state in ("survived", "no tests"):
             why = EQUIVALENT.get(name, "not reviewed")
-            lines += [f"### `{name}` ({state}): {why}", "", "```diff", diff_of(name), "```", ""]
+            lines += [f"### `{name}` ({state}): {why}", "", "```diff", diffs[name], "```", ""]
     return "\n".join(lines) + "\n"
 
 
