@@ -43,6 +43,7 @@ import numpy as np
 
 from eva0_edge.runtime.methods import RUNTIME_METHODS, base_name, is_prompt_method, load_method
 from eva0_edge.runtime.modelfile import read_metadata
+from eva0_edge.runtime.progress import progress_bar
 from eva0_edge.runtime.registry import spec_of
 
 from .machine import environment
@@ -138,8 +139,10 @@ def time_methods(
     torch_model_fn=None,
     prompt_model: str | None = None,
     provider: str = "cpu",
+    tick: Callable[[], Any] | None = None,
 ) -> list[CostRow]:
-    """Interleaved timing of every method at one batch size; medians in ms per sample."""
+    """Interleaved timing of every method at one batch size; medians in ms per sample.
+    ``tick`` is called after every step (warm-up included: a progress bar)."""
     steps = {
         m: make_step(m, model_path, batch, threads, torch_model_fn, prompt_model, provider)
         for m in methods
@@ -147,6 +150,8 @@ def time_methods(
     for _ in range(warmup):
         for step, _ in steps.values():
             step()
+            if tick:
+                tick()
     ort_before = {m: (clock() if clock else 0.0) for m, (_, clock) in steps.items()}
     samples: dict[str, list[float]] = {m: [] for m in methods}
     for _ in range(repeats):
@@ -154,6 +159,8 @@ def time_methods(
             start = time.perf_counter()
             step()
             samples[m].append(time.perf_counter() - start)
+            if tick:
+                tick()
     rows = []
     for m in methods:
         total = float(np.sum(samples[m]))
@@ -267,9 +274,11 @@ def run_bench(
     env_start = environment()
     rows: list[CostRow] = []
     torch_fn = torch_model_loader(torch_spec, model_path) if "tent" in methods else None
+    bar = progress_bar(total=len(batch_sizes) * len(methods) * (warmup + repeats),
+                       desc="timing steps", unit="step", quiet=not progress)
     for batch in batch_sizes:
         batch_rows = time_methods(model_path, methods, batch, repeats, warmup, threads, torch_fn,
-                                  prompt_model, provider)
+                                  prompt_model, provider, bar.update)
         base = batch_rows[0].ms_per_sample
         for row in batch_rows:
             row.ratio_to_noadapt = row.ms_per_sample / base
@@ -288,6 +297,7 @@ def run_bench(
             print(f"batch {batch}: " + ", ".join(
                 f"{r.method} {r.ms_per_sample:.2f} ms ({r.ratio_to_noadapt:.2f}x)"
                 for r in batch_rows), flush=True)
+    bar.close()
     return {
         "model": Path(model_path).name,
         "prompt_model": Path(prompt_model).name if prompt_model else None,
