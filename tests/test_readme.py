@@ -1,0 +1,20 @@
+"""The README's numbers come from runs: the demo's line is the committed demo run's result."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_demo_line_is_the_committed_demo_run():
+    """``make demo``'s averages, as its run wrote them to bench/results/demo/results.json."""
+    readme = (ROOT / "README.md").read_text()
+    quoted = re.search(r"\((\d+\.\d)% -> (\d+\.\d)% in `bench/results/demo/`", readme)
+    assert quoted, "the README's demo line is missing"
+    results = json.loads((ROOT / "bench" / "results" / "demo" / "results.json").read_text())
+    averages = {name.split()[0]: run["average"] for name, run in results["results"].items()}
+    assert (float(quoted[1]), float(quoted[2])) == (
+        round(averages["noadapt"], 1), round(averages["eva0"], 1))
