@@ -126,11 +126,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--protocol", default="single",
                    choices=["single", "continual", "imbalanced", "soak"],
-                   help="soak: the continual stream 10 times in a row")
-    p.add_argument("--severity", type=int, default=5, choices=[1, 2, 3, 4, 5])
-    p.add_argument("--methods", default="noadapt,eva0", help="comma-separated; runtime methods "
-                   "(name@FP sets #FP, e.g. eva0-clubs@8, foa-dagger@14) plus the torch "
-                   "baselines tent, sar, deyo")
+                   help="default single; soak: the continual stream 10 times in a row")
+    p.add_argument("--severity", type=int, default=5, choices=[1, 2, 3, 4, 5],
+                   help="corruption severity (default 5)")
+    p.add_argument("--methods", default="noadapt,eva0", help="comma-separated (default "
+                   "noadapt,eva0); runtime methods (name@FP sets #FP, e.g. eva0-clubs@8, "
+                   "foa-dagger@14) plus the torch baselines tent, sar, deyo")
     p.add_argument("--limit", type=int_in(1), help="images per corruption (a seeded subset)")
     p.add_argument("--batch-sizes", type=int_list, help="comma-separated: one run per batch "
                    "size in one report (a row per method and batch size); overrides --batch-size")

@@ -272,10 +272,36 @@ def run_bench(
         check_cost_method(m)
     methods = ["noadapt", *[m for m in methods if m != "noadapt"]]
     env_start = environment()
-    rows: list[CostRow] = []
     torch_fn = torch_model_loader(torch_spec, model_path) if "tent" in methods else None
+    architecture = read_metadata(model_path).architecture  # a bad file fails before any output
     bar = progress_bar(total=len(batch_sizes) * len(methods) * (warmup + repeats),
                        desc="timing steps", unit="step", quiet=not progress)
+    try:
+        rows = _time_batches(model_path, batch_sizes, methods, repeats, warmup, threads, memory,
+                             torch_spec, torch_fn, progress, prompt_model, provider, bar)
+    finally:
+        bar.close()
+    return {
+        "model": Path(model_path).name,
+        "prompt_model": Path(prompt_model).name if prompt_model else None,
+        "architecture": architecture,
+        "threads": threads or "ort default",
+        "provider": provider,
+        "repeats": repeats,
+        "warmup": warmup,
+        "environment_start": env_start,
+        "environment_end": environment(),
+        "rows": [row.__dict__ for row in rows],
+    }
+
+
+def _time_batches(
+    model_path: str, batch_sizes: Sequence[int], methods: list[str], repeats: int, warmup: int,
+    threads: int | None, memory: bool, torch_spec: dict | None, torch_fn, progress: bool,
+    prompt_model: str | None, provider: str, bar,
+) -> list[CostRow]:
+    """:func:`run_bench`'s rows, batch size by batch size (``bar``: ticked every step)."""
+    rows: list[CostRow] = []
     for batch in batch_sizes:
         batch_rows = time_methods(model_path, methods, batch, repeats, warmup, threads, torch_fn,
                                   prompt_model, provider, bar.update)
@@ -297,19 +323,7 @@ def run_bench(
             print(f"batch {batch}: " + ", ".join(
                 f"{r.method} {r.ms_per_sample:.2f} ms ({r.ratio_to_noadapt:.2f}x)"
                 for r in batch_rows), flush=True)
-    bar.close()
-    return {
-        "model": Path(model_path).name,
-        "prompt_model": Path(prompt_model).name if prompt_model else None,
-        "architecture": read_metadata(model_path).architecture,
-        "threads": threads or "ort default",
-        "provider": provider,
-        "repeats": repeats,
-        "warmup": warmup,
-        "environment_start": env_start,
-        "environment_end": environment(),
-        "rows": [row.__dict__ for row in rows],
-    }
+    return rows
 
 
 def markdown(report: dict[str, Any]) -> str:

@@ -382,7 +382,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "every --snapshot-every steps and at shutdown")
     p.add_argument("--snapshot-every", type=int, default=100, help="steps (default 100)")
     p.add_argument("--keep-snapshots", type=int, default=3, help="newest kept (default 3)")
-    p.add_argument("--max-body-mb", type=float, default=64.0, help="request limit (MiB)")
+    p.add_argument("--max-body-mb", type=float, default=64.0,
+                   help="request limit (MiB, default 64)")
     p.add_argument("--max-pixels-mp", type=float, default=16.0,
                    help="decoded megapixels per 'images' request (default 16: a 16 MP RGBA "
                    "PNG takes 128 MiB to decode and convert)")
@@ -397,7 +398,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "loopback")
     p.add_argument("--summary-every", type=float, default=30.0,
                    help="seconds between info-level summaries (default 30)")
-    p.add_argument("--threads", type=int_in(1), help="ORT intra-op threads")
+    p.add_argument("--threads", type=int_in(1),
+                   help="ORT intra-op threads (default: ORT's, one per core)")
     p.add_argument("--low-memory", action="store_true", help=LOW_MEMORY_HELP)
     p.add_argument("--io-binding", action=argparse.BooleanOptionalAction, help=IO_BINDING_HELP)
     add_split_options(p)
