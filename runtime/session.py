@@ -366,24 +366,30 @@ class SplitSessions:
         adapted: Callable[[int, int], dict[str, np.ndarray]],
     ) -> list[np.ndarray]:
         """The prefix once on ``x`` [N, ...], the suffix over theta rows [a, b) in chunks
-        (``adapted(a, b)``: their feeds); ``outputs`` [rows, ...] concatenated (bound: the
-        single chunk's reused buffers, or fresh arrays when there are several chunks)."""
+        (``adapted(a, b)``: their feeds); ``outputs`` [rows, ...]: one call's arrays (bound:
+        its reused buffers), or several calls' written into fresh arrays."""
         n = x.shape[0]
         chunk = self.rows_per_call(n, rows)
         if self.binders is None:
             values = self.prefix.run(self.boundary, {"pixel_values": x})
-            hidden = dict(zip(self.boundary, values, strict=True))
-            parts = [self.suffix.run(outputs, {**hidden, **adapted(a, min(rows, a + chunk))})
-                     for a in range(0, rows, chunk)]
+
+            def suffix(feeds: dict, count: int) -> list:
+                return self.suffix.run(outputs, feeds)
         else:
-            prefix, suffix = self.binders
+            prefix, bound = self.binders
             values = prefix.run({"pixel_values": x}, self.boundary, n, on_device=self.boundary)
-            hidden = dict(zip(self.boundary, values, strict=True))
-            parts = []
-            for a in range(0, rows, chunk):
-                b = min(rows, a + chunk)
-                part = suffix.run({**hidden, **adapted(a, b)}, outputs, b - a)
-                parts.append(part if chunk >= rows else [p.copy() for p in part])
-        if len(parts) == 1:
-            return parts[0]
-        return [np.concatenate([p[k] for p in parts]) for k in range(len(outputs))]
+
+            def suffix(feeds: dict, count: int) -> list:
+                return bound.run(feeds, outputs, count)
+        hidden = dict(zip(self.boundary, values, strict=True))
+        if chunk >= rows:
+            return suffix({**hidden, **adapted(0, rows)}, rows)
+        results: list[np.ndarray] = []
+        for a in range(0, rows, chunk):
+            b = min(rows, a + chunk)
+            part = suffix({**hidden, **adapted(a, b)}, b - a)
+            if not results:
+                results = [np.empty((rows, *p.shape[1:]), dtype=p.dtype) for p in part]
+            for out, p in zip(results, part, strict=True):
+                out[a:b] = p
+        return results

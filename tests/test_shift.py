@@ -282,15 +282,15 @@ def test_a_stream_without_spread_is_degenerate_once_the_recent_window_is_full() 
     rng = np.random.default_rng(6)
     head = LinearHead(rng.normal(size=(3, 4)), np.zeros(3), slice(0, 4))
     shift = ActivationShift(head, np.zeros(4), strength=1.0, window=256.0)
-    wall, varied = _empty_state(), _empty_state()
-    assert not shift.degenerate(wall)  # nothing seen
+    repeated, varied = _empty_state(), _empty_state()
+    assert not shift.degenerate(repeated)  # nothing seen
     image = rng.normal(2.0, 1.0, (1, 4))
     for i in range(40):
-        shift.observe(wall, image)
+        shift.observe(repeated, image)
         shift.observe(varied, rng.normal(2.0, 1.0, (1, 4)))
         if i < 30:  # the recent window is not full yet
-            assert not shift.degenerate(wall)
-    assert shift.degenerate(wall) and not shift.degenerate(varied)
+            assert not shift.degenerate(repeated)
+    assert shift.degenerate(repeated) and not shift.degenerate(varied)
     low = _empty_state()  # a variance share just above / below MIN_SPREAD (5%)
     for share, expected in ((0.06, False), (0.04, True)):
         low.shift_recent, low.shift_recent_weight = np.array([1.0, 0.0]), 1.0
