@@ -8,7 +8,7 @@ forked after a test had run a session, mutants hung until their timeout). The re
 (``tools/mutation-report.md``) gives each module's kill rate and every surviving mutant with its
 diff and, if it was reviewed as equivalent (``EQUIVALENT`` below), why.
 
-    .venv/bin/python tools/mutate.py                 # about 75 min on 2 cores
+    .venv/bin/python tools/mutate.py                 # the report gives the run's time
     .venv/bin/python tools/mutate.py --retest        # the last run's survivors, tests updated
     .venv/bin/python tools/mutate.py --report        # the report of the last run only
 """
@@ -22,12 +22,14 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGE = ROOT / "build" / "mutate"
 REPORT = ROOT / "tools" / "mutation-report.md"
+RUN_RECORD = STAGE / "run.json"  # the last full run's wall time and load average
 PACKAGE_DIRS = {"runtime": "runtime", "exporter": "exporter", "quant": "quant", "bench": "bench",
                 "fleet": "fleet"}
 MODULES = ["estimator", "update", "losses", "rates", "stepcontrol", "shift", "guard", "state",
@@ -40,41 +42,170 @@ TEST_MARKERS = "not integration and not slow"
 # conditions that raise are mutated).
 UNMUTATED_LINES = [r"^\s*log\.\w+\(", r"^\s*raise \w+\(f?[\"']", r"^\s*f?[\"'].*[\"'],?\)?$"]
 
-# Surviving mutants reviewed as equivalent (no input the code can receive tells them apart).
-EQUIVALENT: dict[str, str] = {
-    "eva0_edge.runtime.statelimits.xǁStateLimitsǁcheck__mutmut_2":
+# Surviving mutants reviewed as equivalent (no input the code can receive tells them apart),
+# by reason; names without the leading ``eva0_edge.runtime.``.
+EQUIVALENT_BY_REASON: list[tuple[str, list[str]]] = [
+    (
         "astype(None) is astype(float64)",
-    "eva0_edge.runtime.statelimits.xǁStateLimitsǁcheck__mutmut_22":
-        "astype(None) is astype(float64)",
-    "eva0_edge.runtime.statelimits.xǁStateLimitsǁ_check_shift__mutmut_31":
-        "<= for < at the rounding allowance itself: differs only when the square equals "
-        "norm2 (1 - 1e-9) - 1e-12 to the last bit",
-    "eva0_edge.runtime.state.x__checked_array__mutmut_3":
+        [
+            "statelimits.xǁStateLimitsǁcheck__mutmut_2",
+            "statelimits.xǁStateLimitsǁcheck__mutmut_22",
+            "state.x__checked_array__mutmut_29",
+            "estimator.xǁZerothOrderEstimatorǁ_gradient__mutmut_17",
+            "estimator.xǁZerothOrderEstimatorǁ_gradient__mutmut_20",
+            "estimator.xǁObjectiveǁ__call____mutmut_19",
+            "estimator.xǁZerothOrderEstimatorǁestimate__mutmut_105",
+            "estimator.xǁZerothOrderEstimatorǁestimate__mutmut_121",
+            "estimator.xǁZerothOrderEstimatorǁestimate__mutmut_136",
+            "estimator.xǁZerothOrderEstimatorǁestimate__mutmut_148",
+            "estimator.xǁZerothOrderEstimatorǁ_gradient__mutmut_29",
+            "guard.xǁSignalWindowsǁadd__mutmut_2",
+            "guard.xǁFeatureWindowǁadd__mutmut_2",
+            "shift.x_source_head_mean__mutmut_6",
+            "shift.x_source_head_mean__mutmut_12",
+            "shift.x_load_shift__mutmut_37",
+            "update.x_apply_update__mutmut_12",
+            "update.x_apply_update__mutmut_14",
+            "update.x_apply_update__mutmut_87",
+            "update.x_update_statistics__mutmut_15",
+        ]),
+    (
+        "<= for < at the rounding allowance itself: differs only when the square equals norm2 (1 -"
+        " 1e-9) - 1e-12 to the last bit",
+        ["statelimits.xǁStateLimitsǁ_check_shift__mutmut_31"]),
+    (
         "np.array(copy=None) may alias the input, but the astype at the end copies anyway",
-    "eva0_edge.runtime.state.x__checked_array__mutmut_5":
+        ["state.x__checked_array__mutmut_3"]),
+    (
         "np.array without copy=True may alias the input, but the astype at the end copies anyway",
-    "eva0_edge.runtime.state.x__checked_array__mutmut_6":
+        ["state.x__checked_array__mutmut_5"]),
+    (
         "np.array(copy=False) may alias the input, but the astype at the end copies anyway",
-    "eva0_edge.runtime.state.x__checked_array__mutmut_29":
-        "astype(None) is astype(float64)",
-    "eva0_edge.runtime.state.x_decode_state__mutmut_7":
+        ["state.x__checked_array__mutmut_6"]),
+    (
         "allow_pickle=None is falsy: pickles stay refused",
-    "eva0_edge.runtime.estimator.xǁZerothOrderEstimatorǁ_gradient__mutmut_5":
+        ["state.x_decode_state__mutmut_7"]),
+    (
         "always redrawing a shared z gives the stored z: the plan is deterministic",
-    "eva0_edge.runtime.estimator.xǁZerothOrderEstimatorǁ_gradient__mutmut_15":
+        ["estimator.xǁZerothOrderEstimatorǁ_gradient__mutmut_5"]),
+    (
         "reshape(pairs, -2): numpy reads any negative size as the unknown one",
-    "eva0_edge.runtime.estimator.xǁZerothOrderEstimatorǁ_gradient__mutmut_17":
-        "astype(None) is astype(float64)",
-    "eva0_edge.runtime.estimator.xǁZerothOrderEstimatorǁ_gradient__mutmut_20":
-        "astype(None) is astype(float64)",
-    "eva0_edge.runtime.estimator.xǁZerothOrderEstimatorǁ_gradient__mutmut_23":
+        ["estimator.xǁZerothOrderEstimatorǁ_gradient__mutmut_15"]),
+    (
         "np.zeros(dtype=None) is float64",
-    "eva0_edge.runtime.rates.x_step_rates__mutmut_5":
+        [
+            "estimator.xǁZerothOrderEstimatorǁ_gradient__mutmut_23",
+            "estimator.xǁZerothOrderEstimatorǁ_gradient__mutmut_25",
+            "state.xǁAdaptStateǁinitial__mutmut_23",
+            "state.xǁAdaptStateǁinitial__mutmut_25",
+            "state.xǁAdaptStateǁinitial__mutmut_27",
+            "state.xǁAdaptStateǁinitial__mutmut_29",
+            "state.xǁAdaptStateǁinitial__mutmut_31",
+            "state.xǁAdaptStateǁinitial__mutmut_33",
+        ]),
+    (
         "0.0 ** f is 0.0 for the positive f of any batch: momentum 0 stays 0",
-    "eva0_edge.runtime.stepcontrol.x_limit_step__mutmut_10":
-        "initial=1.0 for 0.0 in the peak: the peak only rescales before the norm, "
-        "norm = peak ||delta / peak|| is the same",
-}
+        ["rates.x_step_rates__mutmut_5"]),
+    (
+        "initial=1.0 for 0.0 in the peak: the peak only rescales before the norm, norm = peak "
+        "||delta / peak|| is the same",
+        ["stepcontrol.x_limit_step__mutmut_10"]),
+    (
+        "d_bar is read by anchor rows only; with n_anchor = 0 the plan has none",
+        ["estimator.xǁZerothOrderEstimatorǁestimate__mutmut_6"]),
+    (
+        "rows drawn ahead are the step's own draw bit for bit (test_estimator checks it); dropping"
+        " them redraws the same rows: time only",
+        [
+            "estimator.xǁZerothOrderEstimatorǁestimate__mutmut_33",
+            "estimator.xǁZerothOrderEstimatorǁestimate__mutmut_39",
+        ]),
+    (
+        "slice(None, half) and slice(half) are slice(0, half)",
+        [
+            "estimator.xǁZerothOrderEstimatorǁestimate__mutmut_73",
+            "estimator.xǁZerothOrderEstimatorǁestimate__mutmut_75",
+        ]),
+    (
+        "the rows are exactly 2 half long: slice(half, None) and slice(half, 3 half) end at 2 half",
+        [
+            "estimator.xǁZerothOrderEstimatorǁestimate__mutmut_79",
+            "estimator.xǁZerothOrderEstimatorǁestimate__mutmut_83",
+        ]),
+    (
+        "reshape(..., -2): numpy reads any negative size as the unknown one",
+        [
+            "estimator.xǁZerothOrderEstimatorǁestimate__mutmut_96",
+            "estimator.xǁZerothOrderEstimatorǁestimate__mutmut_109",
+        ]),
+    (
+        "Z regenerated chunk by chunk instead of kept: the same rows bit for bit (the regenerate "
+        "test checks the gradient): memory and time only",
+        ["estimator.xǁZerothOrderEstimatorǁestimate__mutmut_179"]),
+    (
+        "the chunk size of the row filling: the same rows, memory only",
+        [
+            "estimator.xǁZerothOrderEstimatorǁ_perturbed_rows__mutmut_12",
+            "estimator.xǁZerothOrderEstimatorǁ_perturbed_rows__mutmut_13",
+        ]),
+    (
+        "Z kept or dropped (then regenerated for the gradient): the same numbers, memory only",
+        [
+            "estimator.xǁZerothOrderEstimatorǁ_perturbed_rows__mutmut_45",
+            "estimator.xǁZerothOrderEstimatorǁ_perturbed_rows__mutmut_47",
+        ]),
+    (
+        "weight 0 is below checked_weight (> 0 for any window >= 1): zero offset either way",
+        ["shift.xǁActivationShiftǁoffset__mutmut_5"]),
+    (
+        "the square of a window reset to weight 0: windowed_update weighs the old value by 0",
+        [
+            "shift.xǁActivationShiftǁobserve__mutmut_19",
+            "shift.xǁActivationShiftǁobserve__mutmut_27",
+        ]),
+    (
+        "<= for < at a window's threshold weight: equal only for a batch of exactly 32 samples "
+        "into empty windows, whose own samples fill both windows (z^2 of a step inside one such "
+        "batch is about 5, under 9): the change test runs one batch later, with the same verdict",
+        [
+            "shift.xǁActivationShiftǁ_changed__mutmut_6",
+            "shift.xǁActivationShiftǁ_changed__mutmut_7",
+        ]),
+    (
+        "the variance floor (1e-12 (1 + ||m||^2)) only keeps 0 > 0 false on a window without "
+        "variance; any floor of that size gives the same verdicts",
+        [
+            "shift.xǁActivationShiftǁ_changed__mutmut_25",
+            "shift.xǁActivationShiftǁ_changed__mutmut_28",
+        ]),
+    (
+        ">= for > at z exactly 3: equality of a float statistic with the threshold",
+        ["shift.xǁActivationShiftǁ_changed__mutmut_31"]),
+    (
+        "the seed of the random probe image: any image checks the head",
+        ["shift.x_load_shift__mutmut_16", "shift.x_load_shift__mutmut_17"]),
+    (
+        "momentum 0: the damped velocity 0 v + 1 g is g (a state's velocity is finite, checked on "
+        "load)",
+        ["update.x_apply_update__mutmut_17"]),
+    (
+        "c = 0: the correction (scale - 1) c e is 0 either way",
+        ["update.x_balance__mutmut_30"]),
+    (
+        "factor ** an integer arange is float64 either way",
+        ["rates.x_windowed_update__mutmut_8", "rates.x_windowed_update__mutmut_12"]),
+    (
+        "np.load's allow_pickle defaults to False",
+        ["state.x_decode_state__mutmut_9"]),
+    (
+        "a state without a version: 0 or 1, it is only compared with the current version",
+        ["state.x_decode_state__mutmut_28"]),
+    (
+        "an info that is not a dict is returned as {} just below",
+        ["state.x_decode_state__mutmut_52", "state.x_decode_state__mutmut_54"]),
+]
+EQUIVALENT = {f"eva0_edge.runtime.{name}": reason for reason, names in EQUIVALENT_BY_REASON
+              for name in names}
 
 
 def stage() -> None:
@@ -88,6 +219,7 @@ def stage() -> None:
                         ignore=shutil.ignore_patterns("results", "__pycache__"))
     shutil.copytree(ROOT / "tests", STAGE / "tests", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(ROOT / "models", STAGE / "models")
+    shutil.copy(ROOT / "tools" / "mutate_conftest.py", STAGE / "conftest.py")
     only = ", ".join(f'"src/eva0_edge/runtime/{m}.py"' for m in MODULES)
     selection = ", ".join(f'"{t}"' for t in [*TESTS, "-m", TEST_MARKERS])
     config = (ROOT / "pyproject.toml").read_text() + (
@@ -95,7 +227,7 @@ def stage() -> None:
         'source_paths = ["src"]\n'
         f"only_mutate = [{only}]\n"
         f"pytest_add_cli_args_test_selection = [{selection}]\n"
-        'also_copy = ["models"]\n'
+        'also_copy = ["models", "conftest.py"]\n'
         'process_isolation = "forkserver"\n'
         f"do_not_mutate_patterns = {json.dumps(UNMUTATED_LINES)}\n"
     )
@@ -153,6 +285,7 @@ def report() -> str:
     lines = ["# Mutation testing of the core numeric modules", "",
              "Made by `make mutate` (`tools/mutate.py`: mutmut over `runtime/` modules, tests "
              f"{', '.join(f'`{t}`' for t in TESTS)} with `-m \"{TEST_MARKERS}\"`).", "",
+             *_run_line(),
              "| module | mutants | killed | timeout | survived | equivalent (reviewed) | "
              "no test | kill rate | kill rate, equivalents aside |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -169,12 +302,26 @@ def report() -> str:
     lines += ["", "Timeouts are counted as killed (the mutant made the tests hang or crawl).",
               "", "## Surviving mutants", ""]
     listed = [name for name, _, state in results if state in ("survived", "no tests")]
+    stale = sorted(set(EQUIVALENT) - set(listed))
+    if stale:  # reviewed as equivalent, yet killed (or gone): the review list is out of date
+        lines += ["Reviewed as equivalent but not surviving this run (remove from "
+                  "`EQUIVALENT_BY_REASON`):", "", *(f"- `{name}`" for name in stale), ""]
     diffs = diffs_of(listed)
     for name, _, state in results:
         if state in ("survived", "no tests"):
             why = EQUIVALENT.get(name, "not reviewed")
             lines += [f"### `{name}` ({state}): {why}", "", "```diff", diffs[name], "```", ""]
     return "\n".join(lines) + "\n"
+
+
+def _run_line() -> list[str]:
+    """The last full run's wall time and load, as measured by :func:`main`."""
+    if not RUN_RECORD.exists():
+        return []
+    run = json.loads(RUN_RECORD.read_text())
+    return [f"The last full run took {run['minutes']:.1f} min on {run['cpus']} CPUs "
+            f"({run['children']} mutants at a time; load average {run['load_before']:.2f} "
+            f"before, {run['load_after']:.2f} after).", ""]
 
 
 def _row(module: str, c: Counter) -> str:
@@ -197,7 +344,12 @@ def main() -> None:
         retest()
     elif not args.report:
         stage()
+        load, started = os.getloadavg()[0], time.monotonic()
         mutmut("run", "--max-children", str(args.max_children))
+        RUN_RECORD.write_text(json.dumps({
+            "minutes": (time.monotonic() - started) / 60, "cpus": os.cpu_count(),
+            "children": args.max_children, "load_before": load,
+            "load_after": os.getloadavg()[0]}))
     REPORT.write_text(report())
     print(REPORT.read_text().split("## Surviving")[0])
 
