@@ -136,7 +136,7 @@ class AdaptState:
         if "healthy_theta" not in values and "theta" in values:
             values["healthy_theta"] = values["theta"]
         names = {f.name for f in fields(cls)}
-        optional = {"stat_weight", "coef_scale", "coef_weight", "clipped_coefs", "clipped_steps",
+        optional = {"coef_scale", "coef_weight", "clipped_coefs", "clipped_steps",
                     "guard_trips", "pause_left", "frozen", "shift_mean", "shift_weight",
                     "shift_sq", "shift_recent", "shift_recent_sq", "shift_recent_weight",
                     "budget_fill"}

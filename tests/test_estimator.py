@@ -5,6 +5,7 @@ and regenerated perturbations. Fast: no ONNX file, no dataset."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,6 +51,7 @@ class ToySession:
         return features @ self.w + theta[:, F:], features
 
     def run(self, x: np.ndarray, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        assert theta.dtype == np.float32, "the graph's theta input is float32"
         self.counter.forwards += theta.shape[0]
         logits, features = self.forward(x, theta.astype(np.float64))
         return logits.astype(np.float32), features.astype(np.float32)
@@ -59,11 +61,12 @@ class ToySession:
 
 
 def _setup(overrides: dict | None = None, source_stats=None, batch: int = 6, seed: int = 1,
-           prefetch: bool = False):
+           prefetch: bool | None = None):
+    """``prefetch`` None: the estimator's default."""
     config = AdaptConfig().updated({**PLAIN, **(overrides or {})})
     session = ToySession()
-    estimator = ZerothOrderEstimator(session, config, Objective(config, source_stats),
-                                     prefetch=prefetch)
+    asked = {} if prefetch is None else {"prefetch": prefetch}
+    estimator = ZerothOrderEstimator(session, config, Objective(config, source_stats), **asked)
     rng = np.random.default_rng(seed)
     x = rng.normal(0, 1, (batch, D))
     state = AdaptState.initial(rng.normal(0, 0.1, P), K, F, seed=0)
@@ -90,6 +93,7 @@ def _sides(session: ToySession, x: np.ndarray, theta: np.ndarray, step: np.ndarr
 
 def test_prediction_coefficients_and_gradient_of_the_two_sided_estimate():
     config, session, estimator, x, state = _setup()
+    state.center = np.array([0.5, -0.4, 0.2])  # not taken off: the config does not ask
     est = estimator.estimate(x, state, seed=3, step_index=5, n_anchor=0, control=False)
     z = _z(3, 5, 6)
     plus, minus, coef = _sides(session, x, state.theta, config.mu * z, config.mu)
@@ -97,6 +101,8 @@ def test_prediction_coefficients_and_gradient_of_the_two_sided_estimate():
     np.testing.assert_allclose(est.coef, coef, rtol=1e-5, atol=1e-9)
     np.testing.assert_allclose(est.grad, coef @ z.astype(np.float64) / 6, rtol=1e-5, atol=1e-9)
     assert session.counter.samples == 6 and session.counter.forwards == 4 * 6  # 12 + our 12
+    estimator.estimate(x, state, seed=3, step_index=6, n_anchor=0, control=False)
+    assert session.counter.samples == 12 and session.counter.forwards == 6 * 6
 
 
 def test_side_averaged_features_and_their_squares():
@@ -148,8 +154,9 @@ def test_more_forwards_average_more_pairs_of_rows():
     np.testing.assert_allclose(est.grad, coef @ z.astype(np.float64) / 12, rtol=1e-5, atol=1e-9)
 
 
-def test_anchor_rows_follow_the_scaled_anchor_direction():
-    config, session, estimator, x, state = _setup()
+@pytest.mark.parametrize("delta", [1e-8, 0.5])
+def test_anchor_rows_follow_the_scaled_anchor_direction(delta):
+    config, session, estimator, x, state = _setup({"delta": delta})
     state.anchor = state.theta + np.linspace(-0.2, 0.3, P).astype(np.float32)
     est = estimator.estimate(x, state, seed=6, step_index=2, n_anchor=2, control=False)
     d_bar = anchor_direction(state.theta, state.anchor, config.delta)
@@ -158,12 +165,15 @@ def test_anchor_rows_follow_the_scaled_anchor_direction():
     np.testing.assert_allclose(est.grad, coef @ z.astype(np.float64) / 6, rtol=1e-5, atol=1e-9)
 
 
-def test_the_objective_rescales_decentres_and_aligns():
+@pytest.mark.parametrize("eps", [1e-8, 0.05])
+def test_the_objective_rescales_decentres_and_aligns(eps):
     """E_SR (each side rescaled to the served prediction's norm, the centre taken off) plus
-    lambda l_SWA against the running moments (the batch's own before the first step)."""
+    lambda l_SWA against the running moments (the batch's own before the first step), both
+    with the configured eps."""
     source = (np.linspace(-1, 1, F), np.linspace(0.5, 1.5, F))
     config, session, estimator, x, state = _setup(
-        {"shortcut_resistant": True, "center": True, "lambda_swa": 3.0, "rho": 0.9}, source)
+        {"shortcut_resistant": True, "center": True, "lambda_swa": 3.0, "rho": 0.9, "eps": eps},
+        source)
     state.center = np.array([0.3, -0.2, 0.1])
     for ready in (False, True):
         if ready:
@@ -179,9 +189,9 @@ def test_the_objective_rescales_decentres_and_aligns():
         ref = np.linalg.norm(prediction.astype(np.float64), axis=1)
 
         def loss(logits, features, ref=ref, moments=moments):
-            scores = shortcut_resistant_scores(logits.astype(np.float64), ref, state.center)
+            scores = shortcut_resistant_scores(logits.astype(np.float64), ref, state.center, eps)
             return softmax_entropy(scores) + 3.0 * sample_wise_alignment(
-                features, *moments, *source, 0.9)
+                features, *moments, *source, 0.9, eps)
 
         coef = (loss(sides[0][0], h[0]) - loss(sides[1][0], h[1])) / (2 * config.mu)
         np.testing.assert_allclose(est.coef, coef, rtol=1e-5, atol=1e-9)
@@ -208,6 +218,16 @@ def test_coefficients_are_clipped_at_their_running_scale_only_under_control():
     assert raw.control is None
 
 
+def test_a_one_sided_estimate_regenerated_in_chunks_gives_the_same_estimate():
+    """Batch 20: the theta + mu z rows written three chunks of Z at a time."""
+    stored = _setup({"two_sided": False}, batch=20)
+    regenerated = _setup({"two_sided": False, "regenerate_z": True}, batch=20)
+    estimates = [estimator.estimate(x, state, seed=5, step_index=1, n_anchor=0, control=False)
+                 for _, _, estimator, x, state in (stored, regenerated)]
+    np.testing.assert_allclose(estimates[1].coef, estimates[0].coef, rtol=1e-12)
+    np.testing.assert_allclose(estimates[1].grad, estimates[0].grad, rtol=1e-12)
+
+
 def test_a_shared_perturbation_regenerated_gives_the_same_estimate():
     stored, regenerated = _setup({"sample_wise": False}), _setup({"sample_wise": False,
                                                                  "regenerate_z": True})
@@ -217,7 +237,9 @@ def test_a_shared_perturbation_regenerated_gives_the_same_estimate():
 
 
 def test_regenerated_and_prefetched_perturbations_give_the_same_estimate():
-    base, regen, prefetched = _setup(), _setup({"regenerate_z": True}), _setup(prefetch=True)
+    """Batch 20: Z regenerated in three chunks of rows."""
+    base, regen, prefetched = (_setup(batch=20), _setup({"regenerate_z": True}, batch=20),
+                               _setup(prefetch=True, batch=20))
     for _, _, _, _, state in (base, regen, prefetched):
         state.anchor = state.theta + 0.1
     results = []
@@ -246,3 +268,21 @@ def test_averaged_estimates_point_along_the_true_gradient():
     mean = estimates.mean(axis=0)
     assert mean @ true / (np.linalg.norm(mean) * np.linalg.norm(true)) > 0.95
     assert np.linalg.norm(mean) == pytest.approx(np.linalg.norm(true), rel=0.15)
+
+
+def _prefetch_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("eva0-normals")}
+
+
+@pytest.mark.parametrize("overrides,prefetch,drawn_ahead",
+                         [({}, None, False), ({"regenerate_z": True}, True, False),
+                          ({}, True, True)])
+def test_rows_are_drawn_ahead_on_a_thread_only_when_asked_and_z_is_held(overrides, prefetch,
+                                                                         drawn_ahead):
+    """The default draws on the calling thread (on CPU ORT's threads hold every core); a
+    regenerated Z is never drawn ahead (its point is not to hold Z)."""
+    before = _prefetch_threads()
+    _, _, estimator, x, state = _setup(overrides, prefetch=prefetch)
+    for step in range(2):
+        estimator.estimate(x, state, seed=1, step_index=step, n_anchor=0, control=False)
+    assert len(_prefetch_threads() - before) == int(drawn_ahead)

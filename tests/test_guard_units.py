@@ -63,6 +63,8 @@ def test_feature_window_moments_and_their_distance_to_the_source():
     expected = alignment_distance(np.array([2.0, 0.0]), np.array([5.0, 4.0]), *source)
     assert window.distance(source) == pytest.approx(expected)
     assert expected == pytest.approx(((1 + 1) + (0 + 1)) / 2, rel=1e-6)  # sigma = (1, 2)
+    window.add(np.array([[5.0, 4.0], [-1.0, 0.0]]))  # the same width: one window of four
+    np.testing.assert_allclose(window.moments, [2.0, 1.0, 9.0, 6.0], atol=1e-6)
     window.add(np.ones((1, 3)))  # another width: the window restarts
     np.testing.assert_allclose(window.moments, np.ones(6))
 
@@ -133,6 +135,11 @@ def test_observe_waits_for_warmup_then_trips_or_checkpoints():
     assert guard.observe(_batch(True, rows=4), 0.0, None) == (None, False)  # 6 healthy
     assert guard.observe(_batch(True, rows=2), 0.0, None) == (None, True)  # 8: checkpoint
     assert guard.observe(_batch(True, rows=4), 0.0, None) == (None, False)  # counting again
+    assert guard.observe(_batch(True, rows=3), 0.0, None) == (None, False)  # 7
+    assert guard.observe(_batch(True, rows=1), 0.0, None) == (None, True)  # 8
+    counted = _guard(entropy_max=0.5)
+    counted.observe(_batch(True, rows=4), 0.0, None)  # the first check: 4 healthy
+    assert counted.observe(_batch(True, rows=3), 0.0, None) == (None, False)  # 7 < 8
     tripped = _guard(entropy_max=0.5, drift_max=1.0)
     tripped.observe(_batch(True, rows=4), 0.0, None)
     reason, due = tripped.observe(_batch(True, rows=4), 2.0, None)
@@ -169,7 +176,8 @@ def test_without_source_statistics_a_healthy_candidate_wins_on_its_signals():
 
 
 def test_observed_signals_trip_each_bound_by_name():
-    cases = [(bounds(spread_min=0.5), np.tile([[20.0, 0.0, 0.0, 0.0]], (4, 1)), 0.0, None),
+    cases = [(bounds(entropy_max=0.5), _batch(False), 0.0, None),
+             (bounds(spread_min=0.5), np.tile([[20.0, 0.0, 0.0, 0.0]], (4, 1)), 0.0, None),
              (bounds(logit_norm_max=10.0), _batch(True), 0.0, None),
              (bounds(alignment_max=1.0), _batch(True), 0.0, 3.0),
              (bounds(drift_max=1.0), _batch(True), 1.5, None)]
@@ -188,7 +196,62 @@ def test_a_second_trip_within_a_window_of_the_first_goes_to_theta0():
     assert guard.tripped("entropy low") is False  # the first trip: to the checkpoint
     assert (guard.since_rollback, guard.since_checkpoint, guard.last_reason) == (
         0, 0, "entropy low")
-    guard.observe(_batch(True, rows=13), 0.0, None)  # 13 < warmup + window = 14
+    guard.observe(_batch(True, rows=6), 0.0, None)
+    guard.observe(_batch(True, rows=7), 0.0, None)  # 13 < warmup + window = 14
     assert guard.tripped("spread low") is True
-    guard.observe(_batch(True, rows=14), 0.0, None)  # a full window since: healthy again
+    guard.observe(_batch(True, rows=7), 0.0, None)
+    guard.observe(_batch(True, rows=7), 0.0, None)  # a full window since: healthy again
     assert guard.tripped("spread low") is False
+
+
+def test_a_fresh_guard_holds_nothing_audits_nothing_and_has_no_duel():
+    guard = HealthGuard(bounds(), window=1e9, warmup=4, checkpoint_every=8)
+    assert (guard.holding, guard.hold_candidate, guard.auditing, guard.serving_candidate) == (
+        False, False, False, False)
+    assert (guard.audits, guard.last_duel, guard.last_reason) == (0, (None, None), None)
+    assert guard.verdicts == {"checkpoint": 0, "theta0": 0, "hold": 0}
+
+
+def test_periodic_audits_come_every_so_many_adapted_samples():
+    guard = HealthGuard(bounds(), window=1e9, warmup=4, checkpoint_every=8)
+    assert guard.start_audit(None) is False and guard.audits == 0  # no periodic audits
+    guard.observe(_batch(True, rows=4), 0.0, None)
+    guard.observe(_batch(True, rows=5), 0.0, None)
+    assert guard.start_audit(10) is False and not guard.auditing  # 9 samples
+    guard.observe(_batch(True, rows=1), 0.0, None)
+    assert guard.start_audit(10) is True  # 10
+    assert (guard.audits, guard.auditing, guard.serving_candidate) == (1, True, True)
+    assert guard.windows.samples == 0  # the duel's windows start empty
+    assert guard.duel_margin == 2.0  # the default margin: the candidate adapted here
+    guard.observe(_batch(True, rows=9), 0.0, None)
+    assert guard.start_audit(10) is False  # counted from the audit
+    guard.observe(_batch(True, rows=1), 0.0, None)
+    assert guard.start_audit(10) is True and guard.audits == 2
+
+
+def test_a_change_of_stream_audits_at_once_serving_theta0_at_the_change_margin():
+    guard = HealthGuard(bounds(), window=1e9, warmup=4, checkpoint_every=8,
+                        source_stats=(np.zeros(2), np.ones(2)))
+    assert guard.start_audit(None, now=True) is True
+    assert (guard.audits, guard.auditing, guard.serving_candidate) == (1, True, False)
+    assert guard.duel_margin == 1.0  # the default change margin
+    assert _duel(guard, _batch(True), 0.5) == "checkpoint"  # as close as theta0: kept
+    assert guard.last_duel[0] == guard.last_duel[1]
+    assert (guard.auditing, guard.serving_candidate) == (False, False)
+    assert guard.duel_margin == 2.0
+    guard.start_audit(None, now=True)
+    assert _duel(guard, _batch(True), 0.6) == "theta0"  # farther than theta0: dropped
+    guard.start_audit(None, now=True)
+    assert _duel(guard, _batch(True), 0.5) == "checkpoint"
+    assert guard.verdicts == {"checkpoint": 2, "theta0": 1, "hold": 0}
+
+
+def test_a_pause_counts_as_an_audit_for_the_next_periodic_one():
+    guard = _guard(entropy_max=0.5)
+    guard.observe(_batch(True, rows=6), 0.0, None)
+    guard.tripped("entropy high")
+    assert _duel(guard, _batch(True), 0.5) == "checkpoint"
+    guard.observe(_batch(True, rows=9), 0.0, None)
+    assert guard.start_audit(10) is False  # 9 adapted samples since the pause
+    guard.observe(_batch(True, rows=1), 0.0, None)
+    assert guard.start_audit(10) is True

@@ -26,6 +26,15 @@ def test_entropy_matches_definition():
     assert softmax_entropy(scores)[1] == pytest.approx(np.log(3))
 
 
+def test_entropy_is_finite_for_logits_far_from_zero_row_by_row():
+    """Each row is shifted by its own maximum: rows near +1000 and -1000 side by side."""
+    scores = np.array([[1000.0, 999.0], [-1000.0, -1001.0], [1000.0, 1000.0]])
+    p = 1 / (1 + np.exp(-1.0))
+    expected = -(p * np.log(p) + (1 - p) * np.log(1 - p))
+    np.testing.assert_allclose(softmax_entropy(scores), [expected, expected, np.log(2)],
+                               rtol=1e-12)
+
+
 @pytest.mark.parametrize("scale", [0.1, 3.0, 250.0])
 def test_shortcut_resistant_scores_are_scale_invariant(scale):
     """s(a o) = s(o) for a > 0, up to the eps in ||o|| + eps."""
@@ -56,6 +65,8 @@ def test_scores_are_the_rescaled_logits_minus_the_centre():
     np.testing.assert_allclose(shortcut_resistant_scores(logits, reference, center, eps=0.0),
                                expected)
     np.testing.assert_allclose(shortcut_resistant_scores(logits, None, center), logits - center)
+    with_eps = shortcut_resistant_scores(logits, reference, None, eps=1.0)  # ||o|| + eps
+    np.testing.assert_allclose(with_eps, [[5.0, 20.0 / 3.0, 0.0], [0.0, -2.0 / 3.0, 0.0]])
 
 
 def test_plain_scores_are_not_scale_invariant():
@@ -80,6 +91,7 @@ def test_sample_wise_alignment_matches_hand_computation():
             total += (m_hat - ms[j]) ** 2 + (sigma - ss[j]) ** 2
         expected.append(total)
     np.testing.assert_allclose(sample_wise_alignment(h, m, q, ms, ss, rho, eps), expected)
+    np.testing.assert_allclose(sample_wise_alignment(h, m, q, ms, ss, rho), expected)  # default
 
 
 def test_alignment_variance_is_clamped_at_zero():

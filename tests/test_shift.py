@@ -296,3 +296,160 @@ def test_a_stream_without_spread_is_degenerate_once_the_recent_window_is_full() 
         low.shift_recent, low.shift_recent_weight = np.array([1.0, 0.0]), 1.0
         low.shift_recent_sq = 1.0 / (1.0 - share)  # variance = share x mean square
         assert shift.degenerate(low) == expected
+
+
+def _line_head(width: int = 2) -> LinearHead:
+    return LinearHead(np.random.default_rng(8).normal(size=(3, width)), np.zeros(3),
+                      slice(0, width))
+
+
+def test_the_window_and_bound_are_checked_when_the_shift_is_built() -> None:
+    ActivationShift(_line_head(), np.zeros(2), 1.0, window=1.0)  # one sample: allowed
+    with pytest.raises(ValueError, match="shift_window must be >= 1"):
+        ActivationShift(_line_head(), np.zeros(2), 1.0, window=0.5)
+    with pytest.raises(ValueError, match="shift_max must be > 0"):
+        ActivationShift(_line_head(), np.zeros(2), 1.0, window=8.0, max_distance=0.0)
+
+
+def test_the_source_mean_falls_back_to_the_feature_statistics_only_without_a_norm() -> None:
+    from types import SimpleNamespace
+
+    from eva0_edge.runtime.head import HeadError
+    from eva0_edge.runtime.shift import source_head_mean
+
+    plain = LinearHead(np.ones((3, 2)), np.zeros(3), slice(1, 3))
+    normed = LinearHead(np.ones((3, 2)), np.zeros(3), slice(1, 3),
+                        (np.ones(2), np.zeros(2), 1e-6))
+    stats = SimpleNamespace(arrays={"source_mean": np.array([5.0, 6.0, 7.0])},
+                            has_source_stats=True)
+    np.testing.assert_array_equal(source_head_mean(stats, plain), [6.0, 7.0])
+    with pytest.raises(HeadError, match="eva0-edge calibrate"):
+        source_head_mean(stats, normed)  # the source mean is not the normalised input's
+    with pytest.raises(HeadError, match="eva0-edge calibrate"):
+        source_head_mean(SimpleNamespace(arrays={}, has_source_stats=False), plain)
+    calibrated = SimpleNamespace(arrays={**stats.arrays, "head_input_mean": np.array([1, 2])},
+                                 has_source_stats=True)
+    np.testing.assert_array_equal(source_head_mean(calibrated, normed), [1.0, 2.0])
+
+
+def test_the_bound_waits_for_64_samples_and_restarts_at_once_when_they_are_far() -> None:
+    near = ActivationShift(_line_head(), np.zeros(2), 1.0, window=256.0, max_distance=100.0)
+    state = _empty_state()
+    rng = np.random.default_rng(9)
+    near.observe(state, rng.normal(0.5, 1.0, (60, 9)))
+    assert not near.offset(state).any()  # 60 < 64 samples
+    near.observe(state, rng.normal(0.5, 1.0, (10, 9)))
+    assert near.offset(state).any()
+    far = ActivationShift(_line_head(), np.full(2, 3.0), 1.0, window=256.0, max_distance=1.0)
+    state = _empty_state()
+    far.observe(state, rng.normal(3.2, 0.5, (64, 9)))  # near a source mean of 3
+    assert far.restarts == 0
+    far.observe(state, rng.normal(-3.0, 0.5, (64, 9)))  # a change: the long window refills
+    assert (far.changes, far.restarts) == (1, 0)
+    far.observe(state, rng.normal(-3.0, 0.5, (64, 9)))  # 64 samples far from it: a restart
+    far.observe(state, rng.normal(-3.0, 0.5, (64, 9)))  # and again
+    assert (far.changes, far.restarts) == (1, 2) and state.shift_weight == 0.0
+
+
+def test_a_mean_exactly_at_the_bound_is_kept() -> None:
+    rows = np.tile([3.0, 4.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], (64, 1))
+    probe = _empty_state()
+    ActivationShift(_line_head(), np.zeros(2), 1.0, window=256.0).observe(probe, rows)
+    bound = float(np.linalg.norm(probe.shift_mean))
+    shift = ActivationShift(_line_head(), np.zeros(2), 1.0, window=256.0, max_distance=bound)
+    state = _empty_state()
+    shift.observe(state, rows)
+    assert shift.restarts == 0 and state.shift_weight > 0
+
+
+def test_a_short_window_keeps_its_mean_once_its_weight_rounds_to_one() -> None:
+    """Window 2 (a = 1/3): after 100 samples 1 - a^n is 1.0 in float64."""
+    shift = ActivationShift(_line_head(), np.zeros(2), 1.0, window=2.0)
+    state = _empty_state()
+    rows = np.random.default_rng(10).normal(1.0, 1.0, (100, 9))
+    for row in rows:
+        shift.observe(state, row[None])
+    a, raw = 1 / 3, np.zeros(2)
+    for row in rows:
+        raw = a * raw + (1 - a) * row[:2]
+    assert state.shift_weight == 1.0 and state.shift_recent_weight == 1.0
+    np.testing.assert_allclose(state.shift_mean, raw, rtol=1e-9)
+    np.testing.assert_allclose(state.shift_recent, raw, rtol=1e-9)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.01])
+def test_a_change_is_flagged_when_the_recent_mean_is_three_standard_errors_out(scale) -> None:
+    """z^2 = ||m_recent - m_long||^2 x 32 / var (the long window's total variance) over 9:
+    checked at every sample of a stream that moves by one standard deviation, at any scale of
+    the features."""
+    rng = np.random.default_rng(11)
+    shift = ActivationShift(_line_head(), np.zeros(2), 1.0, window=256.0)
+    state = _empty_state()
+    for _ in range(300):
+        shift.observe(state, scale * rng.normal(0.0, 1.0, (1, 9)))
+    below = []
+    for _ in range(100):
+        before = shift.changes
+        shift.observe(state, np.full((1, 9), scale))
+        variance = state.shift_sq - state.shift_mean @ state.shift_mean
+        z2 = float(((state.shift_recent - state.shift_mean) ** 2).sum()) * 32 / variance
+        assert (shift.changes > before) == (z2 > 9), z2
+        if shift.changes > before:
+            break
+        below.append(z2)
+    assert shift.changes == 1 and max(below) > 6  # some steps between z = 2.45 and 3
+
+
+def test_a_restored_state_without_a_recent_window_sees_no_change_in_its_first_samples() -> None:
+    """A state saved before the recent window existed: the change test waits for the recent
+    window to fill instead of reading one sample's noise as a change."""
+    rng = np.random.default_rng(12)
+    shift = ActivationShift(_line_head(), np.zeros(2), 1.0, window=256.0)
+    state = _empty_state()
+    shift.observe(state, rng.normal(0.0, 1.0, (300, 9)))
+    state.shift_recent, state.shift_recent_sq, state.shift_recent_weight = np.zeros(0), 0.0, 0.0
+    shift.observe(state, np.full((1, 9), 1.5))  # 1.5 sd out: z about 8 were it a full window
+    for _ in range(8):
+        shift.observe(state, rng.normal(0.0, 1.0, (1, 9)))
+    assert shift.changes == 0
+
+
+def test_spread_thresholds_are_strict_and_the_full_recent_window_counts() -> None:
+    """Variance exactly MIN_SPREAD (5%) of the mean square: shifted, not degenerate; a
+    recent window at exactly RECENT_SAMPLES samples' weight is full."""
+    shift = ActivationShift(_line_head(3), np.zeros(3), 1.0, window=256.0)
+    state = AdaptState.initial(np.zeros(1, dtype=np.float32), 3, 3, 0)
+    state.shift_mean, state.shift_sq, state.shift_weight = np.array([3.0, 1.0, 3.0]), 20.0, 1.0
+    assert shift.offset(state).any()  # variance 1 = 5% of 20
+    state.shift_recent, state.shift_recent_sq = np.array([3.0, 1.0, 3.0]), 20.0
+    state.shift_recent_weight = 1.0 - shift.recent_factor**32
+    assert not shift.degenerate(state)
+    state.shift_recent_sq = 19.5  # variance 0.5 < 5% of 19.5
+    assert shift.degenerate(state)
+
+
+def test_the_configured_bound_reaches_the_shift_and_a_cold_cache_reads_the_head(
+        tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("EVA0_CACHE", str(tmp_path))
+    resnet = SHIPPED[1]
+    cold = AdaptiveModel.load(resnet, "eva0", {"activation_shift": 1.0, "shift_max": 0.75},
+                              provider="cpu")
+    warm = AdaptiveModel.load(resnet, "eva0", {"activation_shift": 1.0}, provider="cpu")
+    assert cold.shift.max_distance == 0.75
+    np.testing.assert_array_equal(cold.shift.head.weight, warm.shift.head.weight)
+    assert any((tmp_path / "head").iterdir())
+
+
+def test_an_empty_window_with_a_stray_weight_serves_unshifted_and_restarts() -> None:
+    """A state whose shift means are empty but whose weights are not (hand-made: nothing the
+    runtime writes): nothing is shifted, and the first batch starts the windows afresh."""
+    shift = ActivationShift(_line_head(), np.zeros(2), 1.0, window=256.0)
+    state = _empty_state()
+    state.shift_weight = state.shift_recent_weight = 1.0
+    assert not shift.offset(state).any()
+    rows = np.random.default_rng(13).normal(0.0, 1.0, (4, 9))
+    shift.observe(state, rows)
+    for window, mean in ((256, state.shift_mean), (32, state.shift_recent)):
+        a = 1 - 2 / (window + 1)
+        weights = a ** np.arange(3, -1, -1)
+        np.testing.assert_allclose(mean, weights @ rows[:, :2] / weights.sum())

@@ -132,7 +132,7 @@ def test_the_limits_hold_what_adaptation_reaches(shifted):
     rng = np.random.default_rng(0)
     for method in ("eva0", "zoa", "spsa2-shared", "noadapt-shift"):
         model = AdaptiveModel.load(SHIPPED_VIT, method, provider="cpu", threads=1)
-        for step in range(24):
+        for step in range(12):
             batch = uniform_batch(8, step) * 0.3 + rng.normal(0.4, 0.3, (8, 3, 32, 32))
             model.step(np.clip(batch, -1, 1).astype(np.float32))
             model.parse_state_bytes(model.state_bytes())
@@ -259,14 +259,14 @@ def test_a_version_one_state_loads_with_its_defaults(ready, weight):
 
     old = _plain_dict()
     for name in ("stat_weight", "healthy_theta", "coef_scale", "coef_weight", "clipped_coefs",
-                 "clipped_steps", "guard_trips", "pause_left", "frozen"):
+                 "clipped_steps", "guard_trips", "pause_left", "frozen", "budget_fill"):
         old.pop(name)
     old["moments_ready"] = ready
     state = AdaptState.from_dict(old)
     assert state.stat_weight == weight and state.moments_ready is ready
     np.testing.assert_array_equal(state.healthy_theta, old["theta"])
     assert (state.coef_scale, state.coef_weight, state.clipped_coefs, state.guard_trips,
-            state.pause_left, state.frozen) == (0.0, 0.0, 0, 0, 0, False)
+            state.pause_left, state.frozen, state.budget_fill) == (0.0, 0.0, 0, 0, 0, False, 1.0)
     new = {**_plain_dict(), "stat_weight": 0.25, "moments_ready": True}
     assert AdaptState.from_dict(new).stat_weight == 0.25  # the newer field wins
     with pytest.raises(StateError, match="lacks"):
@@ -280,11 +280,14 @@ def test_a_version_one_state_loads_with_its_defaults(ready, weight):
     ("stat_weight", -0.1, False), ("stat_weight", float("nan"), False),
     ("coef_scale", 1e30, True), ("coef_scale", float("inf"), False),
     ("coef_scale", "1", False), ("frozen", 1, False),
+    ("skipped", 3, True), ("skipped", 4, False), ("clipped_steps", 3, True),
+    ("clipped_steps", 4, False), ("guard_trips", 3, True), ("guard_trips", 4, False),
 ])
 def test_every_scalar_of_a_state_is_checked(name, value, ok):
+    """(The step counters count steps: at most ``step``, 3 here.)"""
     from eva0_edge.runtime.state import AdaptState
 
-    values = {**_plain_dict(), name: value}
+    values = {**_plain_dict(), "step": 3, name: value}
     if ok:
         assert getattr(AdaptState.from_dict(values), name) == value
     else:
@@ -398,7 +401,8 @@ def test_the_checksum_covers_values_dtype_and_shape():
     flipped = theta.copy()
     flipped[0] += 1.0
     same_bytes = np.frombuffer(theta.tobytes(), dtype=np.float64)  # 4 float32 as 2 float64
-    for changed in (flipped, same_bytes, theta.reshape(2, 2)):
+    same_shape = theta.view(np.int32)  # the same bytes and shape, another dtype
+    for changed in (flipped, same_bytes, same_shape, theta.reshape(2, 2)):
         with pytest.raises(StateError, match="checksum"):
             decode_state(_reencoded(arrays={"theta": changed}))
 
@@ -462,3 +466,37 @@ def test_array_fields_are_one_dimensional_floats_kept_in_their_dtypes():
     ]:
         with pytest.raises(StateError, match=match):
             AdaptState.from_dict({**_plain_dict(), name: value})
+
+
+def test_a_member_may_unpack_to_its_float64_size_plus_a_header_and_no_more(tmp_path):
+    """The limit is 8 bytes per element plus ``_NPY_HEADER_BYTES`` (1024), exactly; a state
+    file read with sizes is held to it."""
+    from eva0_edge.runtime.state import (
+        _NPY_HEADER_BYTES,
+        check_member_sizes,
+        read_state_file,
+        write_state_file,
+    )
+
+    def archive(total: int) -> bytes:
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(
+            header, {"descr": "<f8", "fortran_order": False, "shape": (4,)})
+        member = header.getvalue() + b"\0" * (total - len(header.getvalue()))
+        return _archive({"theta.npy": member})
+
+    limit = 4 * 8 + _NPY_HEADER_BYTES
+    check_member_sizes(archive(limit), {"theta": 4})
+    with pytest.raises(StateError, match=f"unpacks to {limit + 1} bytes"):
+        check_member_sizes(archive(limit + 1), {"theta": 4})
+    path = write_state_file(tmp_path / "big.npz", archive(limit + 1))
+    with pytest.raises(StateError, match="unpacks to"):
+        read_state_file(path, sizes={"theta": 4})
+
+
+def test_an_initial_state_holds_theta_in_float32_and_its_seed():
+    from eva0_edge.runtime.state import AdaptState
+
+    state = AdaptState.initial(np.linspace(-1, 1, 4), 3, 2, seed=9)  # float64 given
+    assert state.theta.dtype == state.anchor.dtype == state.velocity.dtype == np.float32
+    assert state.healthy_theta.dtype == np.float32 and state.seed == 9

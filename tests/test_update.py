@@ -87,6 +87,15 @@ def test_the_coefficient_clipping_is_committed_with_the_step():
     state = _state()
     assert apply_update(_config(), state, _estimate(control=control))
     assert (state.clipped_coefs, state.coef_scale, state.coef_weight) == (3, 0.7, 0.25)
+    control = ClippedCoefficients(np.zeros(16), clipped=2, scale=0.5, weight=0.5)
+    assert apply_update(_config(), state, _estimate(control=control))
+    assert (state.clipped_coefs, state.coef_scale, state.coef_weight) == (5, 0.5, 0.5)
+
+
+def test_the_stored_vectors_stay_float32():
+    state = _state()
+    assert apply_update(_config(momentum=0.5, moving_anchor=0.5), state, _estimate())
+    assert state.theta.dtype == state.velocity.dtype == state.anchor.dtype == np.float32
 
 
 def test_the_moving_anchor_follows_theta_at_its_batch_rate():
@@ -106,9 +115,14 @@ def test_balancing_damps_only_the_outward_anchor_part_when_outward_dominates():
     outward, a_in, a_out = balance(np.array([-3.0, 1.0]), to_anchor, a_in, a_out, 0.5, 1e-12)
     assert (a_in, a_out) == (pytest.approx(0.25), pytest.approx(1.5))
     np.testing.assert_allclose(outward, [-3.0 * 0.25 / 1.5, 1.0], rtol=1e-9)
-    state = _state()
-    assert apply_update(_config(balance_beta=0.5), state, _estimate(batch=64))
-    assert state.balance_in > 0 or state.balance_out > 0
+    state, est = _state(), _estimate(batch=64, grad=(1.0, 2.0, 0.5, 3.0))  # outward
+    state.balance_in, state.balance_out = 0.1, 2.0
+    theta, anchor = state.theta.astype(np.float64), state.anchor.astype(np.float64)
+    assert apply_update(_config(balance_beta=0.5), state, est)
+    delta, a_in, a_out = balance(-0.1 * est.grad, anchor - theta, 0.1, 2.0, 0.5, 1e-8)
+    assert not np.allclose(delta, -0.1 * est.grad)  # this step is damped
+    np.testing.assert_allclose(state.theta, theta + delta, rtol=1e-6)
+    assert (state.balance_in, state.balance_out) == (pytest.approx(a_in), pytest.approx(a_out))
 
 
 def test_statistics_are_windowed_means_of_the_served_prediction_and_features():
@@ -123,10 +137,21 @@ def test_statistics_are_windowed_means_of_the_served_prediction_and_features():
     assert state.stat_weight == pytest.approx(weight)
 
 
-def test_a_non_finite_theta_writes_nothing():
+@pytest.mark.parametrize("grad,given", [
+    ((np.inf, 0.0, 0.0, 0.0), {}),
+    ((np.inf, 0.0, 0.0, 0.0), {"trust_radius": 0.5}),
+    ((np.inf, 0.0, 0.0, 0.0), {"gamma": 1.0}),  # all the way to the anchor: 0 x inf, invalid
+    ((1e300, 1e300, 0.0, 0.0), {}),  # finite in float64, beyond float32: overflow
+])
+def test_a_non_finite_theta_writes_nothing_and_warns_nothing(grad, given):
+    """Refused quietly (the caller counts the skip): no numpy warning on the device's log."""
+    import warnings
+
     state = _state()
     before = state.to_dict()
-    assert not apply_update(_config(), state, _estimate(grad=(np.inf, 0.0, 0.0, 0.0)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not apply_update(_config(**given), state, _estimate(grad=grad))
     after = state.to_dict()
     for name, value in before.items():
         np.testing.assert_array_equal(after[name], value)
@@ -180,6 +205,8 @@ def test_balancing_at_its_edges():
     e = np.array([1.0, 0.0])
     small_in, a_in, a_out = balance(np.array([0.5, 1.0]), 2 * e, 0.0, 0.0, 0.5, 1e-12)
     np.testing.assert_allclose(small_in, [0.5, 1.0])
+    inward, _, _ = balance(np.array([0.5, 1.0]), 2 * e, 0.0, 4.0, 0.5, 1e-12)
+    np.testing.assert_allclose(inward, [0.5, 1.0])  # outward dominates, but this moves in
     out, a_in, a_out = balance(np.array([-0.1, 1.0]), 2 * e, 4.0, 0.0, 0.5, 1e-12)
     np.testing.assert_allclose(out, [-0.1, 1.0])  # a_in 2 > a_out 0.05: scale capped at 1
     damped, _, _ = balance(np.array([-1.0, 0.0]), np.array([3.0, 0.0]), 1.0, 1.0, 0.5, 1.0)
