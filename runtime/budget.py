@@ -4,11 +4,14 @@ An adapting method pays ``forwards`` (EVA-0: 2) forwards per sample it adapts on
 served at the current theta pays one (the activation shift keeps learning from it). A budget
 of F forwards per sample (1 <= F <= forwards) is kept as a bucket of credit counted in extra
 forwards: every sample adds F - 1, adapting on a batch of B takes B (forwards - 1), a duel of
-the health guard takes what it ran beyond one forward per sample (the guard is never refused:
-the credit may go below 0 and adaptation waits until the duels are paid for). The bucket holds
-at most ``BURST_SAMPLES`` (1024) samples' worth, (F - 1) x 1024, and starts full, so over any N
-samples the forward counter reads at most F N + (F - 1) 1024, unless the guard's duels alone
-cost more than the budget (a long hold on a stream the source fails on).
+the health guard takes what it ran beyond one forward per sample. A duel (a trip's pause, an
+audit, the next pause of a hold) starts only when the credit pays for all of it: one it cannot
+pay for is not run, and the candidate gives way to theta0, the side every duel falls back to,
+served with one forward per sample (the engine's ``_lose_duel``). The credit goes below 0 only
+when a change of stream lengthens a running duel, and adaptation waits until that is paid for.
+The bucket holds at most ``BURST_SAMPLES`` (1024) samples' worth, (F - 1) x 1024, and starts
+full, so over any N samples the forward counter reads at most F N + (F - 1) 1024 + one
+lengthening (``guard_warmup`` + B).
 
 Where the credit goes (a token bucket with two speeds):
 
@@ -81,6 +84,7 @@ class ComputeBudget:
         return take
 
     def charge(self, extra_forwards: float) -> None:
-        """Take forwards the guard spent beyond one per sample. The credit may go below 0: the
-        guard's duels are never refused, and adaptation waits until they are paid for."""
+        """Take forwards the guard spent beyond one per sample (a duel is started only when the
+        credit pays for it; one lengthened by a change of stream may take the credit below 0,
+        and adaptation then waits until it is paid for)."""
         self.credit -= extra_forwards

@@ -454,8 +454,24 @@ class AdaptiveModel:
             return
         now = stream_changed and self.config.guard_change_audit and \
             not np.array_equal(self.state.theta, self.metadata.theta0)
+        if not self._affords_duel(guard.warmup):
+            if now:  # the audit at a change the credit cannot pay for: theta0 wins it
+                self._lose_duel("the audit at a change of stream")
+            return  # a periodic audit waits for the credit
         if guard.start_audit(self.config.guard_audit, now):
             self.state.pause_left = guard.warmup
+
+    def _affords_duel(self, samples: int) -> bool:
+        """Whether the budget's credit pays a duel of the guard over ``samples`` samples (one
+        forward each beyond the served one); always True without a budget."""
+        return self.budget is None or self.budget.credit >= samples
+
+    def _lose_duel(self, what: str) -> None:
+        """A duel the budget cannot pay for is not run: the candidate gives way to theta0, the
+        side every duel falls back to (served with one forward per sample)."""
+        log.info("compute budget: %s cannot be paid for (credit %.0f forwards); theta0 serves",
+                 what, self.budget.credit if self.budget is not None else 0.0)
+        self._roll_back(self.metadata.theta0)
 
     def _inputs_changed(self, x: np.ndarray) -> bool:
         """Feed the input change detector (with the guard on) the images x [B, C, H, W]; on a
@@ -482,6 +498,10 @@ class AdaptiveModel:
         self._roll_back(self.metadata.theta0 if to_source else st.healthy_theta)
         st.guard_trips += 1
         st.pause_left = self.config.guard_pause
+        if not (to_source or self._affords_duel(st.pause_left)
+                or np.array_equal(st.theta, self.metadata.theta0)):
+            to_source = True
+            self._lose_duel("the pause's duel of the last healthy theta")
         log.warning(
             "health guard tripped at step %d: %s; rolled back to %s, adaptation paused for "
             "%d samples", st.step, reason, "theta0" if to_source else "the last healthy theta",
@@ -539,6 +559,9 @@ class AdaptiveModel:
             kept = "the last healthy checkpoint"
         if verdict == "hold":
             st.pause_left = cfg.guard_pause
+            if keep and dueled and not self._affords_duel(st.pause_left):
+                self._lose_duel("the next duel of the hold")
+                keep = False
         elif self.budget is not None:
             self.budget.changed()
         # routine: a hold at theta0, an audit that keeps theta, any verdict of an audit at a

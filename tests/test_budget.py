@@ -78,6 +78,23 @@ def test_the_forward_counter_stays_within_the_budget(fmnist_clean):
     assert stats["drift"] > 0
 
 
+def test_the_guards_duels_stay_within_the_budget(fmnist_clean):
+    """Clean images, black frames (theta0 fails on them too: the guard holds, dueling the
+    theta learnt before them against theta0 while the credit pays for it), clean again: the
+    forward counter stays within the budget, its bucket, and one audit's overrun; the held
+    theta gives way to theta0 once the credit cannot pay for the next duel."""
+    model = AdaptiveModel.load(RESNET, "eva0", {"budget": 1.25}, threads=1)
+    black = np.repeat(fmnist_clean[:1] * 0 + fmnist_clean.min(), 16, axis=0)
+    stream = [fmnist_clean[i:i + 16] for i in range(0, 1024, 16)] + [black] * 64 + \
+        [fmnist_clean[i:i + 16] for i in range(1024, 2048, 16)]
+    for x in stream:
+        model.step(x)
+    stats, samples = model.stats(), 16 * len(stream)
+    assert stats["guard"]["pause_verdicts"]["hold"] >= 2
+    allowance = (0.25 * BURST_SAMPLES + model.config.guard_warmup + 16) / samples
+    assert stats["forwards_per_sample"] <= 1.25 + allowance
+
+
 def test_a_budget_of_one_forward_is_the_activation_shift_alone(fmnist_clean):
     """No adaptation: bit for bit the source model with EVA-0's activation shift, one forward
     per sample (on one stream: a change of input also restarts the shift, which the
