@@ -6,7 +6,7 @@ STAMP := $(VENV)/.eva0-edge-installed
 
 FMNIST := /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz
 
-.PHONY: blackbox setup data demo test test-fast lint mutate tables sweep hostile budget quant tune FORCE
+.PHONY: blackbox setup data demo test test-fast lint mutate tables sweep hostile budget layers quant tune FORCE
 
 # A strict editable install: a link tree mirrors the import names (eva0_edge.runtime ->
 # runtime/, ...), so static tools (mypy, IDEs) resolve them too; the tree is rebuilt when the
@@ -115,6 +115,19 @@ budget: setup data
 				--threads 1 --out out/budget/$$m-$$f -q; \
 		done; done
 	$(PY) -m eva0_edge.bench.budget_summary out/budget
+
+# Where to adapt, its cost: ResNet50-GN (random weights) exported adapting the last stage, the
+# last two, the default stages 1-3 and every GroupNorm, each benched against NoAdapt (the split
+# session runs the frozen stages before the first adapted one once per image).
+LAYER_SETS ?= 4 3-4 1-3 1-4
+layers: setup
+	mkdir -p out/layers
+	for a in $(LAYER_SETS); do \
+		test -f out/layers/resnet50_gn-$$a.onnx || $(VENV)/bin/eva0-edge export --arch resnet50_gn \
+			--adapt $$a -o out/layers/resnet50_gn-$$a.onnx -q; \
+		$(VENV)/bin/eva0-edge bench --model out/layers/resnet50_gn-$$a.onnx --methods noadapt,eva0 \
+			--batch-sizes 8,32 --repeats 5 --no-memory --out out/layers/bench-$$a -q; \
+	done
 
 # Quantization: the shipped ViT as FP32 and PTQ4ViT W8A8 / W6A6, integer kernels and the
 # fake-quant simulation (NoAdapt / EVA-0, clean and severity 5); ViT-B with random weights:
