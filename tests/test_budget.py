@@ -158,3 +158,33 @@ def test_the_budget_summary_tables_and_plots_measured_forwards(tmp_path):
     assert [(r["method"], r["forwards_per_sample"]) for r in rows] == [
         ("noadapt", 1.0), ("eva0 budget 1.5", 1.49), ("eva0", 2.0)]
     assert (tmp_path / "budget.png").stat().st_size > 0
+
+
+def test_the_layers_summary_shares_the_gain_of_the_file_adapting_the_most(tmp_path):
+    """Two cost reports and two eval reports; the share of the gain is of the file with the
+    most adapted parameters (here the shipped ViT's 2304 against the ResNet-GN's 1344: two
+    files at hand with different theta sizes)."""
+    import json
+
+    from eva0_edge.bench.layers_summary import main
+
+    for stages, ratio in (("4", 1.1), ("1-4", 2.0)):
+        (tmp_path / f"bench-{stages}").mkdir()
+        rows = [{"method": "noadapt", "batch": 8, "ratio_to_noadapt": 1.0},
+                {"method": "eva0", "batch": 8, "ratio_to_noadapt": ratio}]
+        (tmp_path / f"bench-{stages}" / "cost.json").write_text(
+            json.dumps({"architecture": "resnet50_gn", "rows": rows}))
+    for name, eva0 in (("vit_fmnist", 81.0), ("resnet_gn_fmnist", 80.5)):
+        (tmp_path / f"acc-{name}").mkdir()
+        spec = {"model": f"{name}.onnx", "protocol": "continual"}
+        results = {"noadapt B=8": {"batch_size": 8, "average": 79.0},
+                   "eva0 B=8": {"batch_size": 8, "average": eva0}}
+        (tmp_path / f"acc-{name}" / "results.json").write_text(
+            json.dumps({"spec": spec, "results": results}))
+    assert main([str(tmp_path), "--model-dirs", "models"]) == 0
+    report = json.loads((tmp_path / "layers.json").read_text())
+    assert [(r["stages"], r["ratio_to_noadapt"]) for r in report["costs"]] == [
+        ("4", 1.1), ("1-4", 2.0)]
+    assert [(r["model"], r["gain"], r["share_of_gain"]) for r in report["accuracy"]] == [
+        ("vit_fmnist", 2.0, 1.0), ("resnet_gn_fmnist", 1.5, 0.75)]
+    assert (tmp_path / "layers.png").stat().st_size > 0

@@ -1,0 +1,124 @@
+"""Where to adapt (``make layers``): what adapting fewer stages costs and what it keeps.
+
+    python -m eva0_edge.bench.layers_summary out/layers
+
+Reads ``<reports>/bench-<stages>/cost.json`` (ResNet50-GN with random weights: EVA-0's step
+against NoAdapt's per batch size) and ``<reports>/acc-<model>-<protocol>/results.json`` (the
+shipped ResNet-GN re-exported per stage set, rates tuned by the rule: average accuracy over the
+15 corruptions, EVA-0's gain over NoAdapt and its share of the gain of the file that adapts the
+most stages). Prints both tables and writes ``<reports>/layers.md``, ``layers.json`` and
+``layers.png`` (cost per stage set; share of the gain per stage set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from ..runtime.modelfile import read_metadata
+from .output import pyplot, save_figure, write_outputs
+
+
+def cost_rows(reports: Path) -> list[dict[str, Any]]:
+    """One row per (stage set, batch size): EVA-0's ms per sample over NoAdapt's."""
+    rows = []
+    for path in sorted(reports.glob("bench-*/cost.json")):
+        report = json.loads(path.read_text())
+        for row in report["rows"]:
+            if row["method"] == "eva0":
+                rows.append({"model": report["architecture"],
+                             "stages": path.parent.name.removeprefix("bench-"),
+                             "batch_size": row["batch"],
+                             "ratio_to_noadapt": round(row["ratio_to_noadapt"], 3)})
+    return sorted(rows, key=lambda r: (r["batch_size"], r["ratio_to_noadapt"]))
+
+
+def accuracy_rows(reports: Path, model_dirs: list[Path]) -> list[dict[str, Any]]:
+    """One row per (stage set, protocol, batch size): NoAdapt's and EVA-0's averages (%), the
+    gain, and its share of the gain of the stage set with the most adapted parameters. The
+    model files (named in the reports) are looked up in ``model_dirs``."""
+    rows = []
+    for path in sorted(reports.glob("acc-*/results.json")):
+        report = json.loads(path.read_text())
+        spec = report["spec"]
+        found = [d / Path(spec["model"]).name for d in model_dirs
+                 if (d / Path(spec["model"]).name).is_file()]
+        if not found:
+            raise FileNotFoundError(f"{path}: model {spec['model']} is in none of "
+                                    f"{', '.join(map(str, model_dirs))}")
+        metadata = read_metadata(found[0])
+        for batch in sorted({r["batch_size"] for r in report["results"].values()}):
+            noadapt = report["results"][f"noadapt B={batch}"]["average"]
+            eva0 = report["results"][f"eva0 B={batch}"]["average"]
+            rows.append({"model": Path(spec["model"]).stem, "stages": metadata.adapt,
+                         "parameters": metadata.num_params, "protocol": spec["protocol"],
+                         "batch_size": batch, "noadapt": round(noadapt, 2),
+                         "eva0": round(eva0, 2), "gain": round(eva0 - noadapt, 2)})
+    for row in rows:
+        cell = [r for r in rows if (r["protocol"], r["batch_size"]) ==
+                (row["protocol"], row["batch_size"])]
+        full = max(cell, key=lambda r: r["parameters"])["gain"]
+        row["share_of_gain"] = round(row["gain"] / full, 3) if full > 0 else None
+    return sorted(rows, key=lambda r: (r["protocol"], r["batch_size"], -r["parameters"]))
+
+
+def markdown(costs: list[dict[str, Any]], accuracy: list[dict[str, Any]]) -> str:
+    lines = ["| model | stages | B | EVA-0 x NoAdapt |", "|---" * 4 + "|"]
+    lines += [f"| {r['model']} | {r['stages']} | {r['batch_size']} | "
+              f"{r['ratio_to_noadapt']:.2f} |" for r in costs]
+    lines += ["", "| model | stages | theta | protocol | B | NoAdapt | EVA-0 | gain | share |",
+              "|---" * 9 + "|"]
+    for r in accuracy:
+        share = "-" if r["share_of_gain"] is None else f"{100 * r['share_of_gain']:.0f}%"
+        lines.append(f"| {r['model']} | {r['stages']} | {r['parameters']} | {r['protocol']} | "
+                     f"{r['batch_size']} | {r['noadapt']:.2f} | {r['eva0']:.2f} | "
+                     f"{r['gain']:+.2f} | {share} |")
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    fig, (cost_ax, gain_ax) = plt.subplots(1, 2, figsize=(9.0, 3.6))
+    for batch in sorted({r["batch_size"] for r in report["costs"]}):
+        mine = [r for r in report["costs"] if r["batch_size"] == batch]
+        cost_ax.plot([r["stages"] for r in mine], [r["ratio_to_noadapt"] for r in mine],
+                     marker="o", label=f"B = {batch}")
+    cost_ax.set_title("ResNet50-GN step cost", fontsize=9)
+    cost_ax.set_xlabel("adapted stages")
+    cost_ax.set_ylabel("EVA-0 time / NoAdapt time")
+    for cell in sorted({(r["protocol"], r["batch_size"]) for r in report["accuracy"]}):
+        mine = [r for r in report["accuracy"] if (r["protocol"], r["batch_size"]) == cell
+                and r["share_of_gain"] is not None]
+        gain_ax.plot([r["stages"] for r in mine], [100 * r["share_of_gain"] for r in mine],
+                     marker="o", label=f"{cell[0]}, B = {cell[1]}")
+    gain_ax.set_title("shipped ResNet-GN: share of EVA-0's gain", fontsize=9)
+    gain_ax.set_xlabel("adapted stages")
+    gain_ax.set_ylabel("% of the all-stage gain")
+    for ax in (cost_ax, gain_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("reports", type=Path, help="folder of bench-*/ and acc-*/ reports")
+    parser.add_argument("--model-dirs", type=Path, nargs="+", default=None,
+                        help="where the evaluated files are (default: the reports folder and "
+                             "models/)")
+    args = parser.parse_args(argv)
+    model_dirs = args.model_dirs or [args.reports, Path("models")]
+    costs, accuracy = cost_rows(args.reports), accuracy_rows(args.reports, model_dirs)
+    if not costs and not accuracy:
+        parser.error(f"no bench-*/cost.json or acc-*/results.json under {args.reports}")
+    table = markdown(costs, accuracy)
+    print(table)
+    write_outputs(args.reports, "layers", {"costs": costs, "accuracy": accuracy}, table + "\n",
+                  plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
