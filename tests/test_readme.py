@@ -1,4 +1,5 @@
-"""The README's numbers come from runs: the demo's line is the committed demo run's result."""
+"""The README's numbers come from runs: the demo's line and the budget and layer tables are
+the committed runs' results."""
 
 from __future__ import annotations
 
@@ -18,3 +19,12 @@ def test_the_demo_line_is_the_committed_demo_run():
     averages = {name.split()[0]: run["average"] for name, run in results["results"].items()}
     assert (float(quoted[1]), float(quoted[2])) == (
         round(averages["noadapt"], 1), round(averages["eva0"], 1))
+
+
+def test_the_budget_and_layer_tables_are_the_committed_runs():
+    """``make budget``'s and ``make layers``' tables, as their summaries wrote them to
+    bench/results/{budget,layers}/, appear in the README verbatim."""
+    readme = (ROOT / "README.md").read_text()
+    for run in ("budget", "layers"):
+        table = (ROOT / "bench" / "results" / run / f"{run}.md").read_text().strip()
+        assert table in readme, f"the README's {run} table is not bench/results/{run}/{run}.md"
