@@ -116,22 +116,24 @@ budget: setup data
 		done; done
 	$(PY) -m eva0_edge.bench.budget_summary out/budget
 
-# Where to adapt: the cost of adapting fewer stages on ResNet50-GN (random weights: the last
-# stage, the last two, the default stages 1-3, every GroupNorm; the split session runs the frozen
-# stages before the first adapted one once per image), and what it keeps on the shipped ResNet-GN
+# Where to adapt: the cost of adapting fewer layers (random weights; ResNet50-GN: the last
+# stage, the last two, the default stages 1-3, every GroupNorm; ViT-B: the last four blocks, the
+# last six, the default 2-8; the split session runs the frozen layers before the first adapted
+# one once per image), and what it keeps on the shipped ResNet-GN
 # (re-exported adapting stage 3, stages 2-3; each tuned by the rule on the validation split, then
 # evaluated on the test split against the shipped file, which adapts stages 1-3). The summary
 # writes out/layers/layers.md, .json and .png.
-LAYER_SETS ?= 4 3-4 1-3 1-4
+LAYER_SETS ?= resnet50_gn:4 resnet50_gn:3-4 resnet50_gn:1-3 resnet50_gn:1-4 \
+	vit_base_patch16_224:8-11 vit_base_patch16_224:6-11 vit_base_patch16_224:2-8
 SHIPPED_LAYER_SETS ?= 3 2-3
 LAYERS_LIMIT ?= 300
 layers: setup data
 	mkdir -p out/layers
-	for a in $(LAYER_SETS); do \
-		test -f out/layers/resnet50_gn-$$a.onnx || $(VENV)/bin/eva0-edge export --arch resnet50_gn \
-			--adapt $$a -o out/layers/resnet50_gn-$$a.onnx -q; \
-		$(VENV)/bin/eva0-edge bench --model out/layers/resnet50_gn-$$a.onnx --methods noadapt,eva0 \
-			--batch-sizes 8,32 --repeats 5 --no-memory --out out/layers/bench-$$a -q; \
+	for s in $(LAYER_SETS); do \
+		arch=$${s%%:*}; a=$${s#*:}; f=out/layers/$$arch-$$a.onnx; \
+		test -f $$f || $(VENV)/bin/eva0-edge export --arch $$arch --adapt $$a -o $$f -q; \
+		$(VENV)/bin/eva0-edge bench --model $$f --methods noadapt,eva0 --batch-sizes 8,32 \
+			--repeats 5 --no-memory --out out/layers/bench-$$arch-$$a -q; \
 	done
 	$(PY) models/layer_sets.py $(foreach a,$(SHIPPED_LAYER_SETS),--adapt $(a)) --out out/layers
 	for a in $(SHIPPED_LAYER_SETS); do \

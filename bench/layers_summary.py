@@ -2,12 +2,12 @@
 
     python -m eva0_edge.bench.layers_summary out/layers
 
-Reads ``<reports>/bench-<stages>/cost.json`` (ResNet50-GN with random weights: EVA-0's step
-against NoAdapt's per batch size) and ``<reports>/acc-<model>-<protocol>/results.json`` (the
-shipped ResNet-GN re-exported per stage set, rates tuned by the rule: average accuracy over the
-15 corruptions, EVA-0's gain over NoAdapt and its share of the gain of the file that adapts the
+Reads ``<reports>/bench-<arch>-<set>/cost.json`` (ResNet50-GN and ViT-B with random weights: EVA-0's
+step against NoAdapt's per batch size) and ``<reports>/acc-<model>-<protocol>/results.json``
+(the shipped ResNet-GN re-exported per stage set, rates tuned by the rule: average accuracy over
+the 15 corruptions, EVA-0's gain over NoAdapt and its share of the gain of the file that adapts the
 most stages). Prints both tables and writes ``<reports>/layers.md``, ``layers.json`` and
-``layers.png`` (cost per stage set; share of the gain per stage set).
+``layers.png`` (cost per stage or block set and model; share of the gain per stage set).
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ def cost_rows(reports: Path) -> list[dict[str, Any]]:
         report = json.loads(path.read_text())
         for row in report["rows"]:
             if row["method"] == "eva0":
-                rows.append({"model": report["architecture"],
-                             "stages": path.parent.name.removeprefix("bench-"),
+                arch = report["architecture"]
+                rows.append({"model": arch,
+                             "stages": path.parent.name.removeprefix(f"bench-{arch}-"),
                              "batch_size": row["batch"],
                              "ratio_to_noadapt": round(row["ratio_to_noadapt"], 3)})
-    return sorted(rows, key=lambda r: (r["batch_size"], r["ratio_to_noadapt"]))
+    return sorted(rows, key=lambda r: (r["model"], r["batch_size"], r["ratio_to_noadapt"]))
 
 
 def accuracy_rows(reports: Path, model_dirs: list[Path]) -> list[dict[str, Any]]:
@@ -80,14 +81,18 @@ def markdown(costs: list[dict[str, Any]], accuracy: list[dict[str, Any]]) -> str
 
 def plot(report: dict[str, Any], path: Path) -> None:
     plt = pyplot()
-    fig, (cost_ax, gain_ax) = plt.subplots(1, 2, figsize=(9.0, 3.6))
-    for batch in sorted({r["batch_size"] for r in report["costs"]}):
-        mine = [r for r in report["costs"] if r["batch_size"] == batch]
-        cost_ax.plot([r["stages"] for r in mine], [r["ratio_to_noadapt"] for r in mine],
-                     marker="o", label=f"B = {batch}")
-    cost_ax.set_title("ResNet50-GN step cost", fontsize=9)
-    cost_ax.set_xlabel("adapted stages")
-    cost_ax.set_ylabel("EVA-0 time / NoAdapt time")
+    models = sorted({r["model"] for r in report["costs"]})
+    fig, axes = plt.subplots(1, len(models) + 1, figsize=(4.5 * (len(models) + 1), 3.6),
+                             squeeze=False)
+    for ax, model in zip(axes[0], models, strict=False):
+        for batch in sorted({r["batch_size"] for r in report["costs"] if r["model"] == model}):
+            mine = [r for r in report["costs"] if (r["model"], r["batch_size"]) == (model, batch)]
+            ax.plot([r["stages"] for r in mine], [r["ratio_to_noadapt"] for r in mine],
+                    marker="o", label=f"B = {batch}")
+        ax.set_title(f"{model} step cost (random weights)", fontsize=9)
+        ax.set_xlabel("adapted stages / blocks")
+        ax.set_ylabel("EVA-0 time / NoAdapt time")
+    gain_ax = axes[0][-1]
     for cell in sorted({(r["protocol"], r["batch_size"]) for r in report["accuracy"]}):
         mine = [r for r in report["accuracy"] if (r["protocol"], r["batch_size"]) == cell
                 and r["share_of_gain"] is not None]
@@ -96,7 +101,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     gain_ax.set_title("shipped ResNet-GN: share of EVA-0's gain", fontsize=9)
     gain_ax.set_xlabel("adapted stages")
     gain_ax.set_ylabel("% of the all-stage gain")
-    for ax in (cost_ax, gain_ax):
+    for ax in axes[0]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     save_figure(fig, path)

@@ -169,10 +169,10 @@ def test_the_layers_summary_shares_the_gain_of_the_file_adapting_the_most(tmp_pa
     from eva0_edge.bench.layers_summary import main
 
     for stages, ratio in (("4", 1.1), ("1-4", 2.0)):
-        (tmp_path / f"bench-{stages}").mkdir()
+        (tmp_path / f"bench-resnet50_gn-{stages}").mkdir()
         rows = [{"method": "noadapt", "batch": 8, "ratio_to_noadapt": 1.0},
                 {"method": "eva0", "batch": 8, "ratio_to_noadapt": ratio}]
-        (tmp_path / f"bench-{stages}" / "cost.json").write_text(
+        (tmp_path / f"bench-resnet50_gn-{stages}" / "cost.json").write_text(
             json.dumps({"architecture": "resnet50_gn", "rows": rows}))
     for name, eva0 in (("vit_fmnist", 81.0), ("resnet_gn_fmnist", 80.5)):
         (tmp_path / f"acc-{name}").mkdir()
