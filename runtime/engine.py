@@ -495,13 +495,14 @@ class AdaptiveModel:
         to_source = guard.tripped(reason)
         if self.budget is not None:
             self.budget.changed()
-        self._roll_back(self.metadata.theta0 if to_source else st.healthy_theta)
-        st.guard_trips += 1
-        st.pause_left = self.config.guard_pause
-        if not (to_source or self._affords_duel(st.pause_left)
-                or np.array_equal(st.theta, self.metadata.theta0)):
+        if to_source or self._affords_duel(self.config.guard_pause) or \
+                np.array_equal(st.healthy_theta, self.metadata.theta0):
+            self._roll_back(self.metadata.theta0 if to_source else st.healthy_theta)
+        else:
             to_source = True
             self._lose_duel("the pause's duel of the last healthy theta")
+        st.guard_trips += 1
+        st.pause_left = self.config.guard_pause
         log.warning(
             "health guard tripped at step %d: %s; rolled back to %s, adaptation paused for "
             "%d samples", st.step, reason, "theta0" if to_source else "the last healthy theta",
