@@ -1,25 +1,39 @@
 #!/usr/bin/env bash
 # The GPU checks and cost tables, in one run on a machine with an NVIDIA GPU and
-# onnxruntime-gpu (CUDA 13 build) importable, eva0-edge installed, Fashion-MNIST's t10k files
+# onnxruntime-gpu (CUDA 13 build) importable, eva0-edge importable, Fashion-MNIST's t10k files
 # under $EVA0_FMNIST_ROOT. Run from the checkout's root. Random-weight models are exported into
 # $EVA0_CACHE/bench-models first (or found there). Results go to $1/results.tar (re-written
-# after every part, so a run cut short still returns what it finished) and the log to stdout.
-# Parts run most important first (correctness, CUDA costs, CUDA accuracy, GPU memory, then the
-# same machine's CPU), each under its own time limit. GPU memory needs pynvml (nvidia-ml-py, in
-# the [gpu] extra; on the lent machine: its wheel unzipped into .gpu/pylib, carried).
+# after every part, so a run cut short still returns what it finished; log.txt holds the log,
+# which also goes to stdout).
+# Parts (all by default, in this order, each under its own time limit):
+#   tests    tests/test_cuda.py (CUDA agrees with the CPU on the shipped models)
+#   costs    bench on CUDA, ResNet50-GN and ViT-B, batch 1/8/32, 20 interleaved repetitions
+#   memory   GPU memory (NVML, each method in its own process) at batch 32
+#   profile  cProfile of 20 default-mode EVA-0 steps at batch 32 (the host part of the step)
+#   (after costs / memory: bench/gpu_summary.py writes their tables, gpu.md and gpu.json)
+#   eval     clean-stream accuracy of the shipped models on CUDA and on the CPU
+#   cpu      the same machine's CPU cost tables
+# GPU memory needs pynvml (nvidia-ml-py, in the [gpu] extra).
 # On CUDA, eva0 is one bound call over all rows and eva0-split the default CUDA mode (split
 # sessions through IOBinding, rows per call from the memory budget); both draw the next step's
 # perturbations while ORT runs.
-#   bash bench/gpu_check.sh OUT_DIR
+#   bash bench/gpu_check.sh OUT_DIR [PART ...]
 set -u
-out=${1:?usage: gpu_check.sh OUT_DIR}
+out=${1:?usage: gpu_check.sh OUT_DIR [PART ...]}
+shift
+parts=" ${*:-tests costs memory profile eval cpu} "
 res=$(mktemp -d)
 cli=(python3 -m eva0_edge.cli)
+archs=(resnet50_gn vit_base_patch16_224)
+want() { [[ $parts == *" $1 "* ]]; }
 pack() { tar -cf "$out/results.tar" -C "$res" .; }
-run() {
+run() {  # the part's output goes to stdout and to log.txt in the results
   local limit=$1; shift
-  echo "== $* (limit ${limit} s)"; local t0=$SECONDS
-  timeout "$limit" "$@"; echo "== exit $? after $((SECONDS - t0)) s"; pack
+  {
+    echo "== $* (limit ${limit} s)"; local t0=$SECONDS
+    timeout "$limit" "$@"; echo "== exit $? after $((SECONDS - t0)) s"
+  } 2>&1 | tee -a "$res/log.txt"
+  pack
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$res/gpu.txt"
@@ -27,32 +41,46 @@ python3 -c "import onnxruntime as o; print(o.__version__, o.__file__, o.get_avai
   | tee "$res/ort.txt"
 { nproc; uptime; } | tee "$res/machine.txt"
 
-run 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
+want tests && run 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
 # an export started beside this run (holding the lock) finishes first
 mkdir -p "${EVA0_CACHE:-/tmp}" && flock "${EVA0_CACHE:-/tmp}/export.lock" true
-[ -d .gpu/pylib ] && export PYTHONPATH="$PWD/.gpu/pylib${PYTHONPATH:+:$PYTHONPATH}"
-gpu_methods=eva0,eva0-split,eva0-lowmem,zoa,zoa-split
-for arch in resnet50_gn vit_base_patch16_224; do
-  extra=""
-  [ "$arch" = vit_base_patch16_224 ] && extra=",foa"  # foa-iob beside it: two 896-row arenas ran out of GPU memory
-  run 150 "${cli[@]}" bench --arch "$arch" --provider cuda --batch-sizes 1,8,32 \
-    --methods "$gpu_methods$extra" --repeats 20 --warmup 3 --no-memory \
-    --out "$res/bench-$arch-cuda" -q
-done
-for model in resnet_gn_fmnist vit_fmnist; do
-  for provider in cuda cpu; do
-    run 90 "${cli[@]}" eval --model "models/$model.onnx" --protocol single --corruptions clean \
-      --batch-sizes 1,64 --methods noadapt,eva0 --limit 1000 --provider "$provider" \
-      --out "$res/eval-$model-$provider" -q
+if want costs; then
+  for arch in "${archs[@]}"; do
+    run 150 "${cli[@]}" bench --arch "$arch" --provider cuda --batch-sizes 1,8,32 \
+      --methods eva0,eva0-split,zoa,zoa-split --repeats 20 --warmup 3 --no-memory \
+      --out "$res/bench-$arch-cuda" -q
   done
-done
-for arch in resnet50_gn vit_base_patch16_224; do
-  run 150 "${cli[@]}" bench --arch "$arch" --provider cuda --batch-sizes 32 \
-    --methods eva0,eva0-split,eva0-lowmem,zoa-split --repeats 3 --warmup 1 \
-    --out "$res/memory-$arch-cuda" -q
-done
-for arch in resnet50_gn vit_base_patch16_224; do
-  run 150 "${cli[@]}" bench --arch "$arch" --provider cpu --batch-sizes 1,8,32 \
-    --methods eva0,eva0-split,eva0-lowmem --repeats 5 --warmup 1 --no-memory \
-    --out "$res/bench-$arch-cpu" -q
-done
+fi
+if want memory; then
+  for arch in "${archs[@]}"; do
+    run 150 "${cli[@]}" bench --arch "$arch" --provider cuda --batch-sizes 32 \
+      --methods eva0,eva0-split,eva0-lowmem,zoa-split --repeats 3 --warmup 1 \
+      --out "$res/memory-$arch-cuda" -q
+  done
+fi
+if want profile; then
+  for arch in "${archs[@]}"; do
+    run 60 python3 -m eva0_edge.bench.step_profile --arch "$arch" --method eva0-split \
+      --provider cuda --batch 32 --steps 20 > "$res/profile-$arch.txt"
+    head -40 "$res/profile-$arch.txt"
+  done
+fi
+if want costs || want memory; then  # the README's GPU tables: gpu.md, gpu.json
+  run 30 python3 -m eva0_edge.bench.gpu_summary "$res"
+fi
+if want eval; then
+  for model in resnet_gn_fmnist vit_fmnist; do
+    for provider in cuda cpu; do
+      run 90 "${cli[@]}" eval --model "models/$model.onnx" --protocol single \
+        --corruptions clean --batch-sizes 1,64 --methods noadapt,eva0 --limit 1000 \
+        --provider "$provider" --out "$res/eval-$model-$provider" -q
+    done
+  done
+fi
+if want cpu; then
+  for arch in "${archs[@]}"; do
+    run 150 "${cli[@]}" bench --arch "$arch" --provider cpu --batch-sizes 1,8,32 \
+      --methods eva0,eva0-split,eva0-lowmem --repeats 5 --warmup 1 --no-memory \
+      --out "$res/bench-$arch-cpu" -q
+  done
+fi

@@ -1,0 +1,106 @@
+"""The GPU run's tables (``bench/gpu_check.sh``): step cost and GPU memory on CUDA.
+
+    python -m eva0_edge.bench.gpu_summary RESULTS_DIR
+
+Reads ``<dir>/bench-<arch>-cuda/cost.json`` (ms per sample of NoAdapt and, as multiples of it,
+EVA-0 and ZOA in the default CUDA mode (``-split``: split sessions through IOBinding, rows per
+call from the memory budget) and as one call over all rows) and
+``<dir>/memory-<arch>-cuda/cost.json`` (GPU memory per process from NVML at one batch size).
+Prints both tables and writes ``<dir>/gpu.md`` and ``gpu.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from .output import write_outputs
+
+COST_COLUMNS = (("eva0-split", "EVA-0 default"), ("eva0", "EVA-0 one call"),
+                ("zoa-split", "ZOA default"), ("zoa", "ZOA one call"))
+MEMORY_COLUMNS = (("eva0-split", "EVA-0 default"), ("eva0", "EVA-0 one call"),
+                  ("eva0-lowmem", "EVA-0 low-memory"), ("zoa-split", "ZOA default"))
+
+
+def _reports(folder: Path, kind: str) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(folder.glob(f"{kind}-*-cuda/cost.json"))]
+
+
+def cost_rows(folder: Path) -> list[dict[str, Any]]:
+    """One row per (architecture, batch): NoAdapt's ms per sample, each method's multiple of it
+    and the default EVA-0 step's share outside ORT."""
+    rows = []
+    for report in _reports(folder, "bench"):
+        by_key = {(r["method"], r["batch"]): r for r in report["rows"]}
+        for batch in sorted({r["batch"] for r in report["rows"]}):
+            row: dict[str, Any] = {"model": report["architecture"], "batch_size": batch,
+                                   "noadapt_ms": by_key[("noadapt", batch)]["ms_per_sample"]}
+            for method, _ in COST_COLUMNS:
+                found = by_key.get((method, batch))
+                row[method] = None if found is None else found["ratio_to_noadapt"]
+            default = by_key.get(("eva0-split", batch))
+            row["eva0_split_outside_ort"] = default and default["outside_ort_share"]
+            rows.append(row)
+    return rows
+
+
+def memory_rows(folder: Path) -> list[dict[str, Any]]:
+    """One row per (architecture, batch): NoAdapt's GPU MiB after load and at the peak, each
+    method's peak and its multiple of NoAdapt's."""
+    rows = []
+    for report in _reports(folder, "memory"):
+        by_key = {(r["method"], r["batch"]): r for r in report["rows"]}
+        for batch in sorted({r["batch"] for r in report["rows"]}):
+            noadapt = by_key[("noadapt", batch)]
+            row: dict[str, Any] = {"model": report["architecture"], "batch_size": batch,
+                                   "noadapt_load_mb": noadapt["gpu_load_mb"],
+                                   "noadapt_peak_mb": noadapt["gpu_peak_mb"]}
+            for method, _ in MEMORY_COLUMNS:
+                found = by_key.get((method, batch))
+                row[method] = None if found is None else {
+                    "peak_mb": found["gpu_peak_mb"], "ratio": found["gpu_ratio_to_noadapt"]}
+            rows.append(row)
+    return rows
+
+
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def markdown(costs: list[dict[str, Any]], memory: list[dict[str, Any]]) -> str:
+    names = [label for _, label in COST_COLUMNS]
+    lines = [f"| model | B | NoAdapt ms / sample | {' | '.join(names)} | "
+             "EVA-0 default outside ORT |", "|---" * (len(names) + 4) + "|"]
+    for r in costs:
+        share = r["eva0_split_outside_ort"]
+        lines.append(f"| {r['model']} | {r['batch_size']} | {r['noadapt_ms']:.3f} | "
+                     + " | ".join(_times(r[m]) for m, _ in COST_COLUMNS)
+                     + f" | {'-' if share is None else f'{100 * share:.0f}%'} |")
+    names = [label for _, label in MEMORY_COLUMNS]
+    lines += ["", f"| model | B | NoAdapt GPU MiB load / peak | {' | '.join(names)} |",
+              "|---" * (len(names) + 3) + "|"]
+    for r in memory:
+        cells = ["-" if r[m] is None else f"{r[m]['peak_mb']:.0f} ({_times(r[m]['ratio'])})"
+                 for m, _ in MEMORY_COLUMNS]
+        lines.append(f"| {r['model']} | {r['batch_size']} | {r['noadapt_load_mb']:.0f} / "
+                     f"{r['noadapt_peak_mb']:.0f} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path, help="gpu_check.sh's results folder")
+    args = parser.parse_args(argv)
+    costs, memory = cost_rows(args.results), memory_rows(args.results)
+    if not costs and not memory:
+        parser.error(f"no bench-*-cuda/cost.json or memory-*-cuda/cost.json under {args.results}")
+    table = markdown(costs, memory)
+    print(table)
+    write_outputs(args.results, "gpu", {"costs": costs, "memory": memory}, table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
