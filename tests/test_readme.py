@@ -1,5 +1,5 @@
-"""The README's numbers come from runs: the demo's line and the budget and layer tables are
-the committed runs' results."""
+"""The README's numbers come from runs: the demo's line and the budget, layer and GPU tables
+are the committed runs' results."""
 
 from __future__ import annotations
 
@@ -28,3 +28,12 @@ def test_the_budget_and_layer_tables_are_the_committed_runs():
     for run in ("budget", "layers"):
         table = (ROOT / "bench" / "results" / run / f"{run}.md").read_text().strip()
         assert table in readme, f"the README's {run} table is not bench/results/{run}/{run}.md"
+
+
+def test_the_gpu_tables_are_the_committed_gpu_run():
+    """``bench/gpu_check.sh``'s tables, as bench/gpu_summary.py wrote them for the H100 run in
+    bench/results/h100-2026-11-28/final/, appear in the README verbatim."""
+    readme = (ROOT / "README.md").read_text()
+    run = ROOT / "bench" / "results" / "h100-2026-11-28" / "final"
+    assert (run / "gpu.md").read_text().strip() in readme
+    assert "bench/results/h100-2026-11-28/final/" in readme
