@@ -1,5 +1,7 @@
-"""Evaluation reports: the paper's table as Markdown, JSON, and a PNG of the stream (running
-accuracy of every method; drift ||theta - theta0|| and mean logit norm of the runtime methods)."""
+"""Evaluation reports: the paper's table as Markdown, JSON, a PNG of the stream (running
+accuracy of every method; drift ||theta - theta0|| and mean logit norm of the runtime methods) and
+a PNG of accuracy against the measured forwards per sample, with each batch size's Pareto front
+(the runs no cheaper run matches), which the Markdown names too."""
 
 from __future__ import annotations
 
@@ -60,6 +62,47 @@ def plot_stream(results: dict, title: str, path: Path) -> None:
     axes[2].set_xlabel("images along the stream (grey lines: domain changes)")
     axes[2].legend(fontsize=7, ncol=4, loc="upper left")
     fig.suptitle(title)
+    save_figure(fig, path)
+
+
+def pareto_front(results: dict[str, StreamResult], batch: int) -> list[str]:
+    """The runs at batch size ``batch`` that no other run beats: by measured forwards per sample,
+    each more accurate (average %) than every run that costs no more. Runs without a measured
+    forward count (the torch baselines) are left out."""
+    runs = sorted(
+        ((r.forwards_per_sample, -r.average, name) for name, r in results.items()
+         if r.batch == batch and r.forwards_per_sample is not None and np.isfinite(r.average)),
+    )
+    front: list[str] = []
+    best = -np.inf
+    for _, negative_average, name in runs:
+        if -negative_average > best:
+            front.append(name)
+            best = -negative_average
+    return front
+
+
+def plot_pareto(results: dict[str, StreamResult], title: str, path: Path) -> None:
+    """Average accuracy against measured forwards per sample, one panel per batch size, every
+    run a labelled point, the Pareto front a line."""
+    plt = pyplot()
+    batches = sorted({r.batch for r in results.values()})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 3.8), squeeze=False)
+    for ax, batch in zip(axes[0], batches, strict=True):
+        for name, r in results.items():
+            if r.batch == batch and r.forwards_per_sample is not None:
+                ax.scatter(r.forwards_per_sample, r.average, s=20)
+                ax.annotate(name.split(" B=")[0], (r.forwards_per_sample, r.average),
+                            fontsize=7, xytext=(3, 3), textcoords="offset points")
+        front = [results[name] for name in pareto_front(results, batch)]
+        ax.plot([r.forwards_per_sample for r in front], [r.average for r in front],
+                color="black", lw=0.8, label="Pareto front")
+        ax.set_title(f"B = {batch}", fontsize=9)
+        ax.set_xlabel("forwards per sample (measured)")
+        ax.set_ylabel("average accuracy %")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
     save_figure(fig, path)
 
 
@@ -130,17 +173,32 @@ def markdown_table(results: dict[str, StreamResult]) -> str:
     return "\n".join(lines)
 
 
+def pareto_lines(results: dict[str, StreamResult]) -> str:
+    """One line per batch size naming its Pareto front, cheapest first."""
+    lines = []
+    for batch in sorted({r.batch for r in results.values()}):
+        front = [f"{name.split(' B=')[0]} ({results[name].forwards_per_sample:.2f} fwd, "
+                 f"{results[name].average:.1f}%)" for name in pareto_front(results, batch)]
+        if front:
+            lines.append(f"Pareto front, B = {batch}: {' -> '.join(front)}")
+    return "\n".join(lines)
+
+
 def write_report(results: dict, spec: dict[str, Any], out_dir: Path) -> dict[str, Path]:
-    """Write ``results.md``, ``results.json`` and ``stream.png`` into ``out_dir``."""
+    """Write ``results.md``, ``results.json``, ``stream.png`` and ``pareto.png`` into
+    ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     sizes = spec.get("batch_sizes") or [spec["batch_size"]]
     data = ("clean test images" if spec.get("corruptions") == ["clean"]
             else f"{spec['dataset']} severity {spec['severity']}")
     title = f"{spec['model']} - {data}, {spec['protocol']}, batch {','.join(map(str, sizes))}"
-    md = f"## {title}\n\n{markdown_table(results)}\n\n```json\n{json.dumps(spec)}\n```\n"
+    front = pareto_lines(results)
+    md = (f"## {title}\n\n{markdown_table(results)}\n\n" + (f"{front}\n\n" if front else "")
+          + f"```json\n{json.dumps(spec)}\n```\n")
     paths = {"md": out_dir / "results.md", "json": out_dir / "results.json",
-             "png": out_dir / "stream.png"}
+             "png": out_dir / "stream.png", "pareto": out_dir / "pareto.png"}
     atomic_write_bytes(paths["md"], md.encode())
     atomic_write_bytes(paths["json"], results_json(results, spec).encode())
     plot_stream(results, title, paths["png"])
+    plot_pareto(results, title, paths["pareto"])
     return paths

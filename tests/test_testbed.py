@@ -188,6 +188,8 @@ def test_eval_end_to_end(tmp_path, protocol, batch_size, methods):
         if "@" in name:  # the prompt methods ran on the shipped ViT's prompt variant
             assert result["forwards_per_sample"] == int(name.split("@")[1])
     assert (out / "stream.png").stat().st_size > 10_000
+    assert (out / "pareto.png").stat().st_size > 10_000
+    assert f"Pareto front, B = {batch_size}:" in (out / "results.md").read_text()
     assert "| method |" in (out / "results.md").read_text()
 
 

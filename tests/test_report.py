@@ -1,0 +1,41 @@
+"""The eval report's Pareto front: the runs no cheaper (or equally cheap) run matches."""
+
+from __future__ import annotations
+
+from eva0_edge.bench.protocols import StreamResult
+from eva0_edge.bench.report import pareto_front, pareto_lines, write_report
+
+
+def _run(method: str, batch: int, average: float, forwards: float | None) -> StreamResult:
+    return StreamResult(method, {"gaussian_noise": average, "shot_noise": average}, batch,
+                        batch_correct=[1, 1], batch_size=[batch, batch],
+                        batch_domain=["gaussian_noise", "shot_noise"], drift=[0.0, 0.1],
+                        logit_norm=[1.0, 1.0], forwards_per_sample=forwards)
+
+
+RESULTS = {
+    "noadapt B=64": _run("noadapt", 64, 60.0, 1.0),
+    "noadapt-shift B=64": _run("noadapt-shift", 64, 63.7, 1.0),
+    "zoa B=64": _run("zoa", 64, 62.0, 2.0),          # dearer than the shift and worse
+    "eva0 B=64": _run("eva0", 64, 64.9, 2.0),
+    "foa B=64": _run("foa", 64, 64.9, 28.0),         # as good as EVA-0 at 14x its forwards
+    "tent B=64": _run("tent", 64, 70.0, None),       # no forward count: not placed
+    "eva0 B=1": _run("eva0", 1, 50.0, 2.0),
+}
+
+
+def test_the_front_keeps_only_runs_no_cheaper_run_matches():
+    assert pareto_front(RESULTS, 64) == ["noadapt-shift B=64", "eva0 B=64"]
+    assert pareto_front(RESULTS, 1) == ["eva0 B=1"]
+    assert pareto_front(RESULTS, 16) == []
+
+
+def test_the_report_names_the_front_and_draws_it(tmp_path):
+    assert pareto_lines(RESULTS) == (
+        "Pareto front, B = 1: eva0 (2.00 fwd, 50.0%)\n"
+        "Pareto front, B = 64: noadapt-shift (1.00 fwd, 63.7%) -> eva0 (2.00 fwd, 64.9%)")
+    spec = {"model": "m.onnx", "dataset": "fmnist-c", "severity": 5, "protocol": "continual",
+            "batch_sizes": [1, 64]}
+    paths = write_report(RESULTS, spec, tmp_path)
+    assert "Pareto front, B = 64: noadapt-shift" in paths["md"].read_text()
+    assert paths["pareto"].stat().st_size > 10_000
