@@ -7,7 +7,7 @@ forwards: every sample adds F - 1, adapting on a batch of B takes B (forwards - 
 the health guard takes what it ran beyond one forward per sample. A duel (a trip's pause, an
 audit, the next pause of a hold) starts only when the credit pays for all of it: one it cannot
 pay for is not run, and the candidate gives way to theta0, the side every duel falls back to,
-served with one forward per sample (the engine's ``_lose_duel``). The credit goes below 0 only
+served with one forward per sample (:mod:`.controller`). The credit goes below 0 only
 when a change of stream lengthens a running duel, and adaptation waits until that is paid for.
 The bucket holds at most ``BURST_SAMPLES`` (1024) samples' worth, (F - 1) x 1024, and starts
 full, so over any N samples the forward counter reads at most F N + (F - 1) 1024 + one

@@ -18,8 +18,9 @@ A non-finite loss, gradient or theta is never written: the step is skipped and c
 
 Steps 1-4 are :class:`~.estimator.ZerothOrderEstimator` (the objective:
 :class:`~.estimator.Objective`), step 5 :func:`~.update.apply_update`; the rates are in
-:mod:`.rates`, the state and its file format in :mod:`.state`, the health guard in :mod:`.guard`.
-:class:`AdaptiveModel` orchestrates them and owns the state.
+:mod:`.rates`, the state and its file format in :mod:`.state`. :class:`AdaptiveModel` owns the
+state and does estimate -> update; what happens to a batch (serve, adapt, the health guard's
+duels, the compute budget) is decided in one place, :mod:`.controller`.
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ import numpy as np
 
 from .budget import ComputeBudget
 from .config import AdaptConfig
+from .controller import StepController
 from .estimator import GradientEstimate, Objective, ZerothOrderEstimator
-from .guard import GuardBounds, HealthGuard, alignment_distance
+from .guard import HealthGuard, alignment_distance
 from .head import HeadError
-from .inputwatch import InputChangeDetector
 from .metadata import ModelMetadata
 from .monitoring import Health, StepStats
 from .perturbation import AnchorShare
@@ -105,13 +106,13 @@ class AdaptiveModel:
         self.config = self._resolve_config({**fp, **(config or {})})
         self.fingerprint = model_fingerprint(self.metadata)
         arrays = self.metadata.arrays
-        self._source_stats = (
+        self.source_stats = (
             (arrays["source_mean"].astype(np.float64), arrays["source_std"].astype(np.float64))
             if self.metadata.has_source_stats
             else None
         )
         self.estimator = ZerothOrderEstimator(
-            session, self.config, Objective(self.config, self._source_stats),
+            session, self.config, Objective(self.config, self.source_stats),
             prefetch=session.device == "cuda" if prefetch is None else prefetch,
         )
         self.shift = self._load_shift("activation_shift" in {**fp, **(config or {})})
@@ -143,8 +144,8 @@ class AdaptiveModel:
             md.theta0.astype(np.float32), theta_radius, cfg.eta,
             max(cfg.guard_pause, cfg.guard_warmup) + MAX_PAUSE_BATCH,
         )
-        if self._source_stats is not None:
-            mean, std = self._source_stats
+        if self.source_stats is not None:
+            mean, std = self.source_stats
             energy = float((mean**2 + std**2).sum())
             limits = replace(limits, feature_energy=SCALE_MARGIN**2 * energy)
         if self.shift is not None:
@@ -215,27 +216,18 @@ class AdaptiveModel:
         md = self.metadata
         self.state = AdaptState.initial(md.theta0, md.num_classes, md.num_features, self.seed)
         self._share = AnchorShare(self.config.anchor_per_64)
-        self.guard = self._new_guard()
-        self.inputs = InputChangeDetector()
-        self.budget = self._new_budget()
+        self.control = StepController(self)
         self.last = StepStats()
 
-    def _new_guard(self) -> HealthGuard | None:
-        cfg = self.config
-        if not (cfg.guard and self.spec.adapts):
-            return None
-        bounds = GuardBounds(**{
-            name: getattr(cfg, f"guard_{name}") for name in GuardBounds.__dataclass_fields__
-        })
-        return HealthGuard(bounds, cfg.guard_window, cfg.guard_warmup, cfg.guard_checkpoint,
-                           self._source_stats, cfg.guard_audit_margin, cfg.guard_change_margin)
+    @property
+    def guard(self) -> HealthGuard | None:
+        """The health guard (None when off); its windows live in :attr:`control`."""
+        return self.control.guard
 
-    def _new_budget(self) -> ComputeBudget | None:
-        """The compute budget, or None when the method adapts on every batch."""
-        cfg = self.config
-        if not self.spec.adapts or cfg.budget is None or cfg.budget >= cfg.forwards:
-            return None
-        return ComputeBudget(cfg.budget, cfg.forwards)
+    @property
+    def budget(self) -> ComputeBudget | None:
+        """The compute budget (None: adapt on every batch); it lives in :attr:`control`."""
+        return self.control.budget
 
     def freeze(self, frozen: bool = True) -> None:
         """Predict with the current theta and stop adapting (``frozen``), or resume."""
@@ -278,8 +270,7 @@ class AdaptiveModel:
         self.seed = state.seed
         self._share = AnchorShare(self.config.anchor_per_64)
         self._share.credit = state.anchor_credit
-        self.guard = self._new_guard()  # the signal windows warm up again
-        self.budget = self._new_budget()
+        self.control = StepController(self)  # the guard's signal windows warm up again
         if self.budget is not None:
             self.budget.fill = state.budget_fill
 
@@ -327,7 +318,7 @@ class AdaptiveModel:
     def stats(self) -> dict[str, Any]:
         """Counters and health of the adaptation (JSON-serialisable)."""
         counter = self.session.counter
-        drift = self._drift()
+        drift = self.drift()
         return {
             "method": self.method,
             "steps": self.state.step,
@@ -360,7 +351,7 @@ class AdaptiveModel:
                 "last_reason": self.guard.last_reason,
                 "pause_verdicts": dict(self.guard.verdicts),
                 "audits": self.guard.audits,
-                "signals": self.guard.values(drift, self._alignment()),
+                "signals": self.guard.values(drift, self.alignment()),
                 "bounds": asdict(self.guard.bounds),
             },
         }
@@ -370,19 +361,22 @@ class AdaptiveModel:
         st = self.state
         guard = self.guard
         return Health(
-            st.step, self._drift(), st.guard_trips, st.clipped_coefs,
+            st.step, self.drift(), st.guard_trips, st.clipped_coefs,
             self.spec.adapts and not (st.frozen or st.pause_left > 0),
             guard.audits if guard else 0,
             guard.verdicts["theta0"] + guard.verdicts["hold"] if guard else 0,
         )
 
-    def _drift(self) -> float:
+    def drift(self) -> float:
+        """||theta - theta0||."""
         return float(np.linalg.norm(self.state.theta - self.metadata.theta0))
 
-    def _alignment(self) -> float | None:
-        if self._source_stats is None or not self.state.moments_ready:
+    def alignment(self) -> float | None:
+        """The guard's alignment distance of the online feature moments to the source's (None
+        without source statistics or moments yet)."""
+        if self.source_stats is None or not self.state.moments_ready:
             return None
-        return alignment_distance(self.state.mean, self.state.second_moment, *self._source_stats)
+        return alignment_distance(self.state.mean, self.state.second_moment, *self.source_stats)
 
     # ----------------------------------------------------------------- inference
     def predict(self, x: np.ndarray) -> np.ndarray:
@@ -401,188 +395,36 @@ class AdaptiveModel:
     def step(self, x: np.ndarray) -> np.ndarray:
         """Predict and (for adapting methods) adapt on the batch; returns logits [B, K]
         (activation-shifted when the shift is on; its test mean learns from the batch unless
-        frozen)."""
-        if not self.spec.adapts:
-            if self.shift is None or self.state.frozen:
-                return self.predict(x)
-            logits, features = self._forward(x)
-            return self._serve(logits, features)
-        if self.state.pause_left > 0 and not self.state.frozen and self.guard is not None:
-            return self._paused_step(self.guard, x)
-        if self.state.frozen or self.state.pause_left > 0:
-            logits = self.predict(x)
-            self.state.pause_left = max(0, self.state.pause_left - logits.shape[0])
-            return logits
-        x = self.session.check_input(x)
-        inputs_changed = self._inputs_changed(x)
-        if self.budget is not None and not self.budget.adapt(x.shape[0]):
-            return self._serve_only(x, inputs_changed)
+        frozen). What happens to the batch is :meth:`~.controller.StepController.step`'s."""
+        return self.control.step(x)
+
+    def serve(self, x: np.ndarray) -> tuple[np.ndarray, bool]:
+        """One forward at the current theta on the batch x [B, C, H, W], served: logits
+        [B, K] (the activation shift learns from the batch), and whether the shift's change
+        detector saw a new stream in it."""
+        logits, features = self._forward(x)
+        return self.serve_outputs(logits, features)
+
+    def adapt(self, x: np.ndarray) -> tuple[np.ndarray, bool, np.ndarray | None]:
+        """The method's step on the checked batch x [B, C, H, W]: the gradient estimate (one
+        ORT call over #FP x B rows, some anchor-guided), its prediction served, then the
+        update. Returns the served logits [B, K], whether the shift's change detector saw a
+        new stream, and the prediction [B, K] the health guard watches (None: the step was
+        skipped, nothing written)."""
         n_anchor = self._share.take(x.shape[0]) if self.config.sample_wise else 0
         est = self.estimator.estimate(
             x, self.state, self.seed, self.state.step, n_anchor, control=True
         )
-        served, shift_changed = self._serve_watched(est.prediction, est.h_mean)
-        stream_changed = inputs_changed or shift_changed
+        served, shift_changed = self.serve_outputs(est.prediction, est.h_mean)
         self.last.anchor_rows = n_anchor
         self.state.step += 1
         if not (np.isfinite(est.coef).all() and np.isfinite(est.grad).all()):
-            return self._skip(served, "non-finite loss or gradient")
+            return self._skip(served, "non-finite loss or gradient"), shift_changed, None
         if not apply_update(self.config, self.state, est):
-            return self._skip(served, "non-finite theta")
-        if self.guard is not None:
-            self._watch(self.guard, est.prediction)
-        self._after_change(stream_changed)
-        return served
+            return self._skip(served, "non-finite theta"), shift_changed, None
+        return served, shift_changed, est.prediction
 
-    def _serve_only(self, x: np.ndarray, inputs_changed: bool) -> np.ndarray:
-        """A batch the budget does not adapt on: one forward at the current theta, served
-        (the activation shift learns from it)."""
-        logits, features = self._forward(x)
-        served, shift_changed = self._serve_watched(logits, features)
-        self._after_change(inputs_changed or shift_changed)
-        return served
-
-    def _after_change(self, stream_changed: bool) -> None:
-        """After a batch: on a new stream (seen in the images or by the shift's change
-        detector) the budget spends densely, and an audit asks whether what was learnt is
-        still better than theta0 there (frost-adapted ViT on clean images: 63% of the first
-        100); the guard's periodic audit otherwise when due."""
-        if stream_changed and self.budget is not None:
-            self.budget.changed()
-        guard = self.guard
-        if guard is None or self.state.pause_left:
-            return
-        now = stream_changed and self.config.guard_change_audit and \
-            not np.array_equal(self.state.theta, self.metadata.theta0)
-        if not self._affords_duel(guard.warmup):
-            if now:  # the audit at a change the credit cannot pay for: theta0 wins it
-                self._lose_duel("the audit at a change of stream")
-            return  # a periodic audit waits for the credit
-        if guard.start_audit(self.config.guard_audit, now):
-            self.state.pause_left = guard.warmup
-
-    def _affords_duel(self, samples: int) -> bool:
-        """Whether the budget's credit pays a duel of the guard over ``samples`` samples (one
-        forward each beyond the served one); always True without a budget."""
-        return self.budget is None or self.budget.credit >= samples
-
-    def _lose_duel(self, what: str) -> None:
-        """A duel the budget cannot pay for is not run: the candidate gives way to theta0, the
-        side every duel falls back to (served with one forward per sample)."""
-        log.info("compute budget: %s cannot be paid for (credit %.0f forwards); theta0 serves",
-                 what, self.budget.credit if self.budget is not None else 0.0)
-        self._roll_back(self.metadata.theta0)
-
-    def _inputs_changed(self, x: np.ndarray) -> bool:
-        """Feed the input change detector (with the guard on) the images x [B, C, H, W]; on a
-        change the activation shift's window restarts too (it holds the old stream's head
-        inputs: the ViT's, after Gaussian noise, moved clean images by the noise's offset
-        for a window's length)."""
-        if (self.guard is None and self.budget is None) or not self.inputs.observe(x):
-            return False
-        if self.shift is not None:
-            self.shift.restart(self.state)
-        return True
-
-    def _watch(self, guard: HealthGuard, prediction: np.ndarray) -> None:
-        """Feed the health guard; checkpoint when healthy, roll back when it trips."""
-        reason, checkpoint = guard.observe(prediction, self._drift(), self._alignment())
-        st = self.state
-        if checkpoint:
-            st.healthy_theta = st.theta.copy()
-        if reason is None:
-            return
-        to_source = guard.tripped(reason)
-        if self.budget is not None:
-            self.budget.changed()
-        if to_source or self._affords_duel(self.config.guard_pause) or \
-                np.array_equal(st.healthy_theta, self.metadata.theta0):
-            self._roll_back(self.metadata.theta0 if to_source else st.healthy_theta)
-        else:
-            to_source = True
-            self._lose_duel("the pause's duel of the last healthy theta")
-        st.guard_trips += 1
-        st.pause_left = self.config.guard_pause
-        log.warning(
-            "health guard tripped at step %d: %s; rolled back to %s, adaptation paused for "
-            "%d samples", st.step, reason, "theta0" if to_source else "the last healthy theta",
-            st.pause_left,
-        )
-
-    def _paused_step(self, guard: HealthGuard, x: np.ndarray) -> np.ndarray:
-        """One batch of the guard's pause: the candidate theta and theta0 in one ORT call (one
-        forward per sample when the candidate is theta0), theta0's logits [B, K] served; at
-        the end of the pause, the guard's verdict picks where adaptation resumes."""
-        x = self.session.check_input(x)
-        inputs_changed = self._inputs_changed(x)
-        st, batch = self.state, x.shape[0]
-        theta0 = self.metadata.theta0.astype(np.float32)
-        dueled = not np.array_equal(st.theta, theta0)
-        sides = np.stack([st.theta, theta0]) if dueled else st.theta[None]
-        logits, features = self.session.run(x, np.repeat(sides, batch, axis=0))
-        self.session.counter.samples += batch
-        if dueled and self.budget is not None:
-            self.budget.charge(batch)
-        rows = slice(0, batch) if guard.serving_candidate or not dueled else slice(batch, None)
-        served, shift_changed = self._serve_watched(logits[rows], features[rows])
-        if inputs_changed or shift_changed:
-            # the verdict is about the stream that follows: judge it on that stream alone
-            guard.restart_windows()
-            st.pause_left = max(st.pause_left, guard.warmup + batch)
-        guard.observe_pause(logits, features, dueled)
-        st.pause_left = max(0, st.pause_left - batch)
-        if st.pause_left == 0:
-            self._end_pause(guard, dueled)
-        return served
-
-    def _end_pause(self, guard: HealthGuard, dueled: bool) -> None:
-        st, cfg = self.state, self.config
-        at_change = guard.auditing and not guard.serving_candidate
-        what = "audit" if guard.auditing else "pause"
-        margin = guard.duel_margin
-        held = guard.holding
-        verdict = guard.pause_verdict(dueled, min(guard.warmup, cfg.guard_pause))
-        if held and verdict != "hold" and self.shift is not None:
-            self.shift.restart(st)  # its windows saw a stream theta0 fails on
-        keep = verdict == "checkpoint" or (verdict == "hold" and guard.hold_candidate)
-        kept = "the duelled theta"
-        if dueled and not keep:
-            self._roll_back(self.metadata.theta0)
-        elif dueled and verdict == "hold" and what == "audit" and (at_change or (
-                self.shift is not None and self.shift.degenerate(st))):
-            # an audit duels the current theta, which adapted on the stream: at a change of
-            # stream it took its last steps on a stream theta0 fails on, and on one with no
-            # spread (black frames, noise) that is no learning to keep, so keep the last
-            # checkpoint taken while the signals were in bounds (the ResNet-GN kept a theta
-            # 4.3 from theta0 after 3 steps on black frames); on a corruption theta0 fails
-            # too (fog) met by a periodic audit, what the current theta learnt is kept
-            self._roll_back(st.healthy_theta)
-            kept = "the last healthy checkpoint"
-        if verdict == "hold":
-            st.pause_left = cfg.guard_pause
-            if keep and dueled and not self._affords_duel(st.pause_left):
-                self._lose_duel("the next duel of the hold")
-                keep = False
-        elif self.budget is not None:
-            self.budget.changed()
-        # routine: a hold at theta0, an audit that keeps theta, any verdict of an audit at a
-        # change of stream (every corruption of a continual stream starts one)
-        quiet = (verdict == "hold" and not dueled) or (what, verdict) == ("audit", "checkpoint") \
-            or at_change
-        hold = f"serving theta0 and keeping {kept} for the next duel" if keep else \
-            "holding at theta0"
-        log.log(logging.INFO if quiet else logging.WARNING,
-                "health guard: after the %s at step %d (alignment %s vs theta0's %s), %s",
-                f"{what} at a change of stream" if at_change else what, st.step,
-                *(f"{d:.4g}" if d is not None else "-" for d in guard.last_duel), {
-            "checkpoint": "adaptation goes on from the duelled theta (in bounds, and not "
-                          f"over {margin}x theta0's distance to the source)",
-            "theta0": "adaptation resumes from theta0",
-            "hold": f"theta0's own signals are out of bounds (the stream is to blame): {hold} for "
-                    f"{cfg.guard_pause} more samples",
-        }[verdict])
-
-    def _roll_back(self, theta: np.ndarray) -> None:
+    def roll_back(self, theta: np.ndarray) -> None:
         """Make ``theta`` [P] both the current and the healthy theta, with no momentum and the
         online statistics started again (they saw the stream that is being left). The
         activation shift's test mean is kept: it follows the input stream, not theta."""
@@ -620,7 +462,9 @@ class AdaptiveModel:
         self._record(served)
         return served
 
-    def _serve_watched(self, logits: np.ndarray, features: np.ndarray) -> tuple[np.ndarray, bool]:
+    def serve_outputs(
+        self, logits: np.ndarray, features: np.ndarray
+    ) -> tuple[np.ndarray, bool]:
         """:meth:`_serve`, and whether the shift's change detector saw a new stream in it."""
         changes = self.shift.changes if self.shift is not None else 0
         served = self._serve(logits, features)

@@ -401,5 +401,5 @@ def test_a_return_to_clean_after_noise_is_audited_at_once_serving_theta0():
         reference += int((plain.argmax(1) == truth).sum())
     guard = model.stats()["guard"]
     assert guard["audits"] == 1 and guard["pause_verdicts"]["theta0"] == 1
-    assert model.inputs.changes == 1 and audited >= model.config.guard_warmup - 16
+    assert model.control.inputs.changes == 1 and audited >= model.config.guard_warmup - 16
     assert hits >= reference - len(x) // 100
