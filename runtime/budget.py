@@ -34,15 +34,18 @@ BURST_SAMPLES = 1024
 
 class ComputeBudget:
     """The bucket for ``budget`` forwards per sample of a method with ``forwards`` per adapted
-    sample. ``credit`` (extra forwards, at most the capacity; below 0 while the guard's duels
-    are being paid for) is saved in the adaptation state as ``fill``."""
+    sample (``asynchronous``: adapted apart from the served forward, see ``extra``).
+    ``credit`` (extra forwards, at most the capacity; below 0 while the guard's duels are being
+    paid for) is saved in the adaptation state as ``fill``."""
 
-    def __init__(self, budget: float, forwards: int) -> None:
+    def __init__(self, budget: float, forwards: int, asynchronous: bool = False) -> None:
         if not 1.0 <= budget <= forwards:
             raise ValueError(f"budget must be between 1 and the method's {forwards} forwards "
                              f"per sample, got {budget}")
         self.budget = float(budget)
-        self.extra = forwards - 1  # forwards an adapted sample pays beyond the served one
+        # forwards an adapted sample pays beyond the served one: the step's own prediction is
+        # served (forwards - 1), or, adapting apart from serving (the asynchronous server), none
+        self.extra = forwards if asynchronous else forwards - 1
         self.capacity = (self.budget - 1.0) * BURST_SAMPLES
         self.credit = self.capacity
         self.dense = True
@@ -64,23 +67,31 @@ class ComputeBudget:
         self.dense = True
 
     def adapt(self, batch: int) -> bool:
-        """Whether to adapt on the next batch of ``batch`` samples (and charge it)."""
-        take = self._take(batch)
-        if take:
-            self.adapted_samples += batch
-        else:
+        """Whether to adapt on the next batch of ``batch`` samples (and charge it): the
+        synchronous step, which :meth:`earn`s the batch's credit and then :meth:`spend`s."""
+        self.earn(batch)
+        take = self.spend(batch)
+        if not take:
             self.served_samples += batch
         return take
 
-    def _take(self, batch: int) -> bool:
+    def earn(self, batch: int) -> None:
+        """Add the credit of ``batch`` served samples, (F - 1) each, up to the bucket (or one
+        batch's cost, when that is larger)."""
+        capacity = max(self.capacity, batch * self.extra)
+        self.credit = min(capacity, self.credit + (self.budget - 1.0) * batch)
+
+    def spend(self, batch: int) -> bool:
+        """Whether the credit pays for adapting on ``batch`` samples now (dense: whenever it
+        can; settled: only once the bucket is full); if so it is taken."""
         cost = batch * self.extra
         capacity = max(self.capacity, cost)  # a low budget still affords a large batch now and then
-        self.credit = min(capacity, self.credit + (self.budget - 1.0) * batch)
         affordable = self.credit >= cost
         take = affordable and (self.dense or self.credit >= capacity)
         self.dense = self.dense and affordable
         if take:
             self.credit -= cost
+            self.adapted_samples += batch
         return take
 
     def charge(self, extra_forwards: float) -> None:

@@ -14,6 +14,10 @@
    then the guard watches the prediction (checkpoint when healthy, roll back and pause when it
    trips).
 
+The asynchronous server splits this in two: :meth:`StepController.serve_step` answers (steps
+1-4, the budget earning the batch's credit), and :meth:`StepController.adapt_served` runs step 5
+on batches already answered, when the worker is idle and the credit pays for it.
+
 After steps 4 and 5, a change of stream (the input change detector, the activation shift's
 change detector) makes the budget spend densely and starts the guard's audit at a change; the
 guard's periodic audit starts when due. A duel runs only when the budget's credit pays for it;
@@ -65,15 +69,46 @@ class StepController:
 
     def _new_budget(self) -> ComputeBudget | None:
         """The compute budget, or None when the method adapts on every batch."""
-        cfg = self.model.config
-        if not self.model.spec.adapts or cfg.budget is None or cfg.budget >= cfg.forwards:
+        m = self.model
+        cfg = m.config
+        # adapting apart from serving, an adapted sample costs #FP + 1 forwards: F = #FP
+        # still leaves some samples unadapted
+        unbounded = cfg.forwards + 1 if m.asynchronous else cfg.forwards
+        if not m.spec.adapts or cfg.budget is None or cfg.budget >= unbounded:
             return None
-        return ComputeBudget(cfg.budget, cfg.forwards)
+        return ComputeBudget(cfg.budget, cfg.forwards, m.asynchronous)
 
     # ----------------------------------------------------------------- the policy
     def step(self, x: np.ndarray) -> np.ndarray:
         """Serve the batch and (for adapting methods) adapt on it; logits [B, K] (shifted when
         the activation shift is on)."""
+        return self._step(x, adapt=True)
+
+    def serve_step(self, x: np.ndarray) -> np.ndarray:
+        """The asynchronous server's answer: :meth:`step` without the method's own step (the
+        guard's duels still run, the budget earns the batch's credit); the batch is adapted on
+        later, if at all, by :meth:`adapt_served`."""
+        return self._step(x, adapt=False)
+
+    def adapt_served(self, x: np.ndarray) -> bool:
+        """The asynchronous server's adaptation pass on a checked batch x [B, C, H, W] it has
+        already answered: the method's step when adaptation is on (not frozen, no guard pause)
+        and the budget's credit pays for it, then the guard watches the step's prediction.
+        Nothing is served; the input and shift change detectors saw x when it was served.
+        Returns whether the step ran."""
+        m = self.model
+        if not m.spec.adapts or m.state.frozen or m.state.pause_left > 0:
+            return False
+        if self.budget is not None and not self.budget.spend(x.shape[0]):
+            return False
+        prediction = m.adapt_served(x)
+        if prediction is not None:
+            if self.guard is not None:
+                self._watch(self.guard, prediction)
+            self._after_change(False)
+        return True
+
+    def _step(self, x: np.ndarray, adapt: bool) -> np.ndarray:
         m = self.model
         st = m.state
         if not m.spec.adapts:
@@ -88,7 +123,9 @@ class StepController:
             return logits
         x = m.session.check_input(x)
         inputs_changed = self._inputs_changed(x)
-        if self.budget is not None and not self.budget.adapt(x.shape[0]):
+        if not adapt and self.budget is not None:
+            self.budget.earn(x.shape[0])
+        if not adapt or (self.budget is not None and not self.budget.adapt(x.shape[0])):
             served, shift_changed = m.serve(x)
             self._after_change(inputs_changed or shift_changed)
             return served

@@ -119,6 +119,7 @@ class AdaptiveModel:
         self.limits = self._state_limits()
         self.seed = int(seed)
         self.last = StepStats()
+        self.asynchronous = False
         self.reset()
 
     def _load_shift(self, asked: bool) -> ActivationShift | None:
@@ -228,6 +229,16 @@ class AdaptiveModel:
     def budget(self) -> ComputeBudget | None:
         """The compute budget (None: adapt on every batch); it lives in :attr:`control`."""
         return self.control.budget
+
+    def set_asynchronous(self, asynchronous: bool = True) -> None:
+        """Adapt apart from serving (the asynchronous server): batches are served with
+        :meth:`~.controller.StepController.serve_step` and adapted on later with
+        :meth:`~.controller.StepController.adapt_served`, so the compute budget charges an
+        adapted sample all its #FP forwards beyond the served one. The guard's windows start
+        again."""
+        self.asynchronous = bool(asynchronous)
+        self._sync_state()
+        self._install(self.state)
 
     def freeze(self, frozen: bool = True) -> None:
         """Predict with the current theta and stop adapting (``frozen``), or resume."""
@@ -411,18 +422,39 @@ class AdaptiveModel:
         update. Returns the served logits [B, K], whether the shift's change detector saw a
         new stream, and the prediction [B, K] the health guard watches (None: the step was
         skipped, nothing written)."""
-        n_anchor = self._share.take(x.shape[0]) if self.config.sample_wise else 0
-        est = self.estimator.estimate(
-            x, self.state, self.seed, self.state.step, n_anchor, control=True
-        )
+        est, n_anchor = self._estimate(x, served=False)
         served, shift_changed = self.serve_outputs(est.prediction, est.h_mean)
         self.last.anchor_rows = n_anchor
+        return served, shift_changed, self._update(est)
+
+    def adapt_served(self, x: np.ndarray) -> np.ndarray | None:
+        """The method's step on a checked batch x [B, C, H, W] that was already served (the
+        asynchronous server's pass, :attr:`asynchronous`): estimate and update as
+        :meth:`adapt` does, but nothing is served, the activation shift does not see the batch
+        again and its samples are not counted again (its rows are). Returns the prediction
+        [B, K] the health guard watches (None: the step was skipped)."""
+        est, n_anchor = self._estimate(x, served=True)
+        self.last.anchor_rows = n_anchor
+        return self._update(est)
+
+    def _estimate(self, x: np.ndarray, served: bool) -> tuple[GradientEstimate, int]:
+        """The step's estimate on x, and how many of its rows were anchor-guided."""
+        n_anchor = self._share.take(x.shape[0]) if self.config.sample_wise else 0
+        est = self.estimator.estimate(
+            x, self.state, self.seed, self.state.step, n_anchor, control=True, count=not served
+        )
+        return est, n_anchor
+
+    def _update(self, est: GradientEstimate) -> np.ndarray | None:
+        """The update from ``est``; its prediction, or None when the step is skipped."""
         self.state.step += 1
         if not (np.isfinite(est.coef).all() and np.isfinite(est.grad).all()):
-            return self._skip(served, "non-finite loss or gradient"), shift_changed, None
+            self._skip("non-finite loss or gradient")
+            return None
         if not apply_update(self.config, self.state, est):
-            return self._skip(served, "non-finite theta"), shift_changed, None
-        return served, shift_changed, est.prediction
+            self._skip("non-finite theta")
+            return None
+        return est.prediction
 
     def roll_back(self, theta: np.ndarray) -> None:
         """Make ``theta`` [P] both the current and the healthy theta, with no momentum and the
@@ -473,8 +505,7 @@ class AdaptiveModel:
     def _record(self, prediction: np.ndarray) -> None:
         self.last = StepStats.of(prediction)
 
-    def _skip(self, prediction: np.ndarray, why: str) -> np.ndarray:
+    def _skip(self, why: str) -> None:
         self.state.skipped += 1
         self.last.skipped = True
         log.warning("step %d skipped: %s", self.state.step, why)
-        return prediction

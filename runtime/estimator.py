@@ -91,12 +91,13 @@ class ZerothOrderEstimator:
 
     def estimate(
         self, x: np.ndarray, state: AdaptState, seed: int, step_index: int, n_anchor: int,
-        control: bool,
+        control: bool, count: bool = True,
     ) -> GradientEstimate:
         """The estimate on the checked batch ``x`` [B, C, H, W] at ``state.theta``, from the
         perturbation stream (``seed``, ``step_index``), with ``n_anchor`` anchor-guided rows;
         ``control``: clip the coefficients at their running scale (``state`` is only read; the
-        session's forward counter counts the batch)."""
+        session's forward counter counts the rows, and the batch's samples unless ``count`` is
+        False: they were counted when served)."""
         cfg, st = self.config, state
         batch = x.shape[0]
         d_bar = (
@@ -114,7 +115,8 @@ class ZerothOrderEstimator:
         if self.prefetch:  # the next step's rows, drawn while ORT runs this one
             self.prefetch.start(seed, step_index + 1, plan.rows, size)
         logits, features = self.session.run(x, rows)
-        self.session.counter.samples += batch
+        if count:
+            self.session.counter.samples += batch
         half = pairs * batch  # rows j * B + i: pair j, sample i (each half copy-major)
         lower, upper = slice(0, half), slice(half, 2 * half)
         if cfg.two_sided:  # rows theta + mu z (lower half), theta - mu z (upper half)
