@@ -270,6 +270,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         max_batch=args.max_batch,
         max_delay_ms=args.max_delay_ms,
         adaptive_delay=not args.fixed_delay,
+        asynchronous=args.async_adapt,
         state_dir=args.state_dir,
         snapshot_every=args.snapshot_every,
         keep_snapshots=args.keep_snapshots,
@@ -390,6 +391,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fixed-delay", action="store_true",
                    help="always let the oldest request wait up to --max-delay-ms for others "
                    "(default: wait only while more requests are being decoded)")
+    p.add_argument("--async-adapt", action="store_true",
+                   help="answer each request from one forward at the current theta as soon as "
+                   "its batch has run, and adapt on recent answered inputs while idle, within "
+                   "--budget (EVA-0 family)")
     p.add_argument("--header-timeout-s", type=float, default=10.0,
                    help="seconds a request's headers may take to arrive; later: 408 and the "
                    "connection closed (default 10)")

@@ -73,7 +73,7 @@ def create_app(
 
     worker = AdaptationWorker(
         model, options.max_batch, options.max_delay_ms / 1000.0, snapshots,
-        options.snapshot_every, on_step, options.adaptive_delay,
+        options.snapshot_every, on_step, options.adaptive_delay, options.asynchronous,
     )
     ctx = ServerContext(model, options, worker, metrics, snapshots, asyncio.Event(), extension)
 

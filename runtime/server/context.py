@@ -31,8 +31,10 @@ MODEL_VERSION = "1"
 class ServeOptions:
     """Server settings. ``max_delay_ms``: how long the oldest queued request may wait for others to
     join its step; ``adaptive_delay``: wait only while announced requests are still being
-    decoded (see :mod:`.worker`), else up to ``max_delay_ms`` always; ``snapshot_every``: steps
-    between snapshots; ``max_body_mb``: the largest request body accepted (MiB);
+    decoded (see :mod:`.worker`), else up to ``max_delay_ms`` always; ``asynchronous``: answer
+    from one forward and adapt on answered inputs while idle (see :mod:`.worker`);
+    ``snapshot_every``: steps between snapshots; ``max_body_mb``: the largest request body
+    accepted (MiB);
     ``summary_every_s``: seconds between info-level summaries; ``max_pixels_mp``: decoded
     megapixels per ``images`` request; ``admin_token``: the bearer token of the admin endpoints;
     ``loopback``: the server binds a loopback address only (admin endpoints are open there
@@ -45,6 +47,7 @@ class ServeOptions:
     max_batch: int = 64
     max_delay_ms: float = 10.0
     adaptive_delay: bool = True
+    asynchronous: bool = False
     state_dir: str | None = None
     snapshot_every: int = 100
     keep_snapshots: int = 3

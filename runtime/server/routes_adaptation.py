@@ -34,6 +34,8 @@ def adaptation_router(ctx: ServerContext) -> APIRouter:
         stats = await ctx.on_worker(lambda m: m.stats())
         stats["snapshots_written"] = ctx.snapshots.written if ctx.snapshots else 0
         stats["non_finite_rows"] = ctx.non_finite_rows
+        if ctx.options.asynchronous:
+            stats["asynchronous"] = await ctx.on_worker(lambda _: ctx.worker.counts())
         if ctx.extension is not None:
             stats[ctx.extension.name] = ctx.extension.statistics()
         return finite_stats(stats)

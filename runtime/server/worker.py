@@ -12,6 +12,17 @@ being decoded. A lone client then never pays the delay (its next request cannot 
 answer), while concurrent clients still coalesce; no request waits longer than ``max_delay``.
 Control operations (statistics, reset, state get/put) run on the same thread between steps, so
 nothing else ever touches the state.
+
+With ``asynchronous`` (``serve --async-adapt``; EVA-0-family methods) a batch is answered from
+one forward at the current theta (:meth:`~..controller.StepController.serve_step`) as soon as
+it has run, and its rows join the recent inputs (the last ``max_batch`` rows; older ones are
+dropped from adaptation). Once ``max_batch`` rows are waiting and the queue is empty, the
+worker adapts on them in one pass (:meth:`~..controller.StepController.adapt_served`, within
+the compute budget), between requests: a response never waits for an adaptation pass of its
+own batch nor depends on a later request, no input is adapted on before it has been answered,
+and a lone client sending one image at a time meets a pass once every ``max_batch`` requests
+(a pass per request would hold every next request for its 2 x #rows forwards). ``counts``
+says how many samples were served, adapted on, dropped from adaptation and are waiting.
 """
 
 from __future__ import annotations
@@ -73,9 +84,20 @@ class AdaptationWorker:
         snapshot_every: int = 100,
         on_step: Callable[[StepRecord], None] | None = None,
         adaptive_delay: bool = True,
+        asynchronous: bool = False,
     ) -> None:
         if max_batch < 1 or max_delay_s < 0 or snapshot_every < 1:
             raise ValueError("need max_batch >= 1, max_delay >= 0 and snapshot_every >= 1")
+        # the model whose controller serves and adapts apart (asynchronous mode), else None
+        self._adaptive: AdaptiveModel | None = None
+        if asynchronous:
+            if not isinstance(model, AdaptiveModel):
+                raise ValueError(f"asynchronous adaptation runs the EVA-0 family's step apart "
+                                 f"from serving; {model.method} adapts only in its own step")
+            model.set_asynchronous()
+            self._adaptive = model
+        self._recent: list[np.ndarray] = []
+        self._counts = {"served_samples": 0, "adapted_samples": 0, "dropped_samples": 0}
         self.model = model
         self.max_batch = max_batch
         self.max_delay_s = max_delay_s
@@ -144,6 +166,15 @@ class AdaptationWorker:
         log.debug("snapshot %s at step %d", path.name, self.model.health().step)
         return True
 
+    def counts(self) -> dict[str, int]:
+        """Samples served, adapted on, dropped from adaptation and waiting for the next pass
+        (asynchronous mode; the synchronous step adapts on what it serves, as its budget
+        allows)."""
+        return {**self._counts, "waiting_samples": self._waiting_rows()}
+
+    def _waiting_rows(self) -> int:
+        return sum(r.shape[0] for r in self._recent)
+
     # ------------------------------------------------------------------ thread
     def _next(self, timeout: float | None = None) -> Any:
         if self._held is not None:
@@ -153,7 +184,12 @@ class AdaptationWorker:
 
     def _run(self) -> None:
         while True:
-            item = self._next()
+            try:  # with a pass's rows waiting, an empty queue means adapt now
+                full = self._waiting_rows() >= self.max_batch
+                item = self._next(timeout=0 if full else None)
+            except queue.Empty:
+                self._adapt_recent()
+                continue
             if item is _WAKE:
                 continue
             if item is _STOP:
@@ -202,7 +238,10 @@ class AdaptationWorker:
         x = jobs[0].x if len(jobs) == 1 else np.concatenate([job.x for job in jobs])
         start = time.perf_counter()
         try:
-            logits = self.model.step(x)
+            if self._adaptive is not None:
+                logits = self._adaptive.control.serve_step(x)
+            else:
+                logits = self.model.step(x)
         except Exception as err:  # noqa: BLE001 - every waiting request gets the error
             for job in jobs:
                 job.future.set_exception(err)
@@ -213,6 +252,8 @@ class AdaptationWorker:
             n = job.x.shape[0]
             job.future.set_result(logits[offset : offset + n])
             offset += n
+        if self._adaptive is not None:
+            self._remember(x)
         self._steps_since_snapshot += 1
         if self._steps_since_snapshot >= self.snapshot_every:
             self.snapshot_now()
@@ -221,3 +262,37 @@ class AdaptationWorker:
                 self.on_step(StepRecord(rows, len(jobs), seconds, self.model.last.skipped))
             except Exception:  # noqa: BLE001 - metrics must never stop the worker
                 log.exception("step callback failed")
+
+    def _remember(self, x: np.ndarray) -> None:
+        """Keep the answered rows x for adaptation: the last ``max_batch`` rows at most."""
+        self._counts["served_samples"] += x.shape[0]
+        self._recent.append(x)
+        rows = self._waiting_rows()
+        while rows > self.max_batch:
+            excess = rows - self.max_batch
+            oldest = self._recent[0]
+            if oldest.shape[0] <= excess:
+                self._recent.pop(0)
+                dropped = oldest.shape[0]
+            else:
+                self._recent[0] = oldest[excess:]
+                dropped = excess
+            self._counts["dropped_samples"] += dropped
+            rows -= dropped
+
+    def _adapt_recent(self) -> None:
+        """The adaptation pass on the recent (answered) rows; they are dropped when the
+        budget or a pause says not now."""
+        batch, self._recent = self._recent, []
+        x = batch[0] if len(batch) == 1 else np.concatenate(batch)
+        assert self._adaptive is not None  # only asynchronous mode keeps recent rows
+        try:
+            ran = self._adaptive.control.adapt_served(x)
+        except Exception:  # noqa: BLE001 - the answers went out; serving goes on
+            log.exception("adaptation pass failed; its %d samples are dropped", x.shape[0])
+            ran = False
+        self._counts["adapted_samples" if ran else "dropped_samples"] += x.shape[0]
+        if ran:
+            self._steps_since_snapshot += 1
+            if self._steps_since_snapshot >= self.snapshot_every:
+                self.snapshot_now()

@@ -1,0 +1,167 @@
+"""The asynchronous server (``serve --async-adapt``): answers from one forward at the current
+theta, adaptation on answered inputs while the worker is idle, within the budget."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from eva0_edge.runtime.engine import AdaptiveModel
+from eva0_edge.runtime.methods import load_method
+from eva0_edge.runtime.server.worker import AdaptationWorker
+from tests.serving import ServerProcess, http_call
+
+MODEL = Path(__file__).resolve().parents[1] / "models" / "vit_fmnist.onnx"
+NO_SHIFT = {"activation_shift": 0.0, "guard": False}
+
+
+def images(count: int, seed: int) -> np.ndarray:
+    """Normalised random images [count, 3, 32, 32] within the model's range."""
+    pixels = np.random.default_rng(seed).uniform(0, 1, (count, 3, 32, 32)).astype(np.float32)
+    return (pixels - 0.5) / 0.5
+
+
+def wait_for(condition, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def started():
+    workers = []
+
+    def start(model, **kwargs) -> AdaptationWorker:
+        worker = AdaptationWorker(model, kwargs.pop("max_batch", 8), 0.0, asynchronous=True,
+                                  **kwargs)
+        worker.start()
+        workers.append(worker)
+        return worker
+
+    yield start
+    for worker in workers:
+        worker.stop(30)
+
+
+def test_an_answer_is_the_forward_at_theta_before_its_own_adaptation(started):
+    """The first request is answered at theta0; the idle pass then adapts on it (its 4 rows
+    fill a pass); the next request is answered at exactly the theta that pass left."""
+    model = AdaptiveModel.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
+    reference = AdaptiveModel.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
+    worker = started(model, max_batch=4)
+    first, second = images(4, 0), images(4, 1)
+    np.testing.assert_allclose(worker.submit(first).result(30), reference.predict(first),
+                               rtol=1e-6, atol=1e-6)
+    wait_for(lambda: worker.counts()["adapted_samples"] == 4)
+    theta = worker.call(lambda m: m.state.theta.copy()).result(30)
+    assert not np.array_equal(theta, model.metadata.theta0)
+    reference.state.theta = theta
+    np.testing.assert_allclose(worker.submit(second).result(30), reference.predict(second),
+                               rtol=1e-6, atol=1e-6)
+    wait_for(lambda: worker.counts()["adapted_samples"] == 8)
+    stats = worker.call(lambda m: m.stats()).result(30)
+    assert stats["samples"] == 8 and stats["steps"] == 2
+    assert stats["forwards"] == 8 + 2 * 8  # each sample served once, then adapted on (2 rows)
+
+
+def test_no_input_is_adapted_on_before_its_request_is_answered(started):
+    model = AdaptiveModel.load(MODEL, "eva0", {"guard": False}, provider="cpu")
+    worker = started(model)
+    submitted: list[tuple[np.ndarray, object]] = []
+    lock = threading.Lock()
+    early: list[int] = []
+    adapt = model.control.adapt_served
+
+    def watched(x: np.ndarray) -> bool:
+        with lock:
+            for rows, future in submitted:
+                if not future.done() and any(np.array_equal(r, x_row) for r in rows
+                                             for x_row in x):
+                    early.append(rows.shape[0])
+        return adapt(x)
+
+    model.control.adapt_served = watched
+
+    def client(seed: int) -> None:
+        for i in range(6):
+            x = images(1 + (seed + i) % 3, 100 * seed + i)
+            with lock:
+                future = worker.submit(x)
+                submitted.append((x, future))
+            future.result(30)
+
+    threads = [threading.Thread(target=client, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    served = sum(rows.shape[0] for rows, _ in submitted)
+    wait_for(lambda: sum(worker.counts().values()) == 2 * served)
+    counts = worker.counts()
+    assert early == [] and counts["served_samples"] == served and counts["adapted_samples"] > 0
+    assert counts["waiting_samples"] < 8  # a pass starts once max_batch rows wait
+
+
+def test_budget_one_serves_what_noadapt_shift_serves(started):
+    """F = 1: no adaptation pass is paid for; every answer is noadapt-shift's, one forward."""
+    model = AdaptiveModel.load(MODEL, "eva0", {"budget": 1.0}, provider="cpu")
+    reference = load_method(MODEL, "noadapt-shift", provider="cpu")
+    worker = started(model, max_batch=3)
+    for seed in range(5):
+        x = images(3, seed)
+        np.testing.assert_array_equal(worker.submit(x).result(30), reference.step(x))
+        wait_for(lambda want=3 * (seed + 1): worker.counts()["dropped_samples"] == want)
+    assert worker.counts()["adapted_samples"] == 0
+    assert worker.call(lambda m: m.forwards_per_sample).result(30) == 1.0
+
+
+def test_the_budget_charges_an_adapted_sample_its_forwards_beyond_the_served_one(started):
+    """F = 1.5 on 1600 samples: the forward counter stays within the budget plus the bucket's
+    burst (1024 samples' worth of F - 1), though every adapted sample also paid its served
+    forward."""
+    model = AdaptiveModel.load(MODEL, "eva0", {"budget": 1.5, "guard": False}, provider="cpu")
+    worker = started(model)
+    for seed in range(200):
+        worker.submit(images(8, seed)).result(30)
+    wait_for(lambda: worker.counts()["adapted_samples"] + worker.counts()["dropped_samples"]
+             == 1600)
+    counts = worker.counts()
+    fps = worker.call(lambda m: m.forwards_per_sample).result(30)
+    assert fps == pytest.approx(1 + 2 * counts["adapted_samples"] / counts["served_samples"])
+    assert counts["adapted_samples"] > 0 and fps <= 1.5 + 0.5 * 1024 / 1600 + 1e-9
+
+
+def test_a_method_without_a_separate_step_is_refused(prompt_vit):
+    model = load_method(prompt_vit.onnx_path, "foa@4", provider="cpu")
+    with pytest.raises(ValueError, match="asynchronous adaptation"):
+        AdaptationWorker(model, 8, 0.0, asynchronous=True)
+
+
+def test_the_server_reports_served_adapted_and_dropped(tmp_path):
+    """``serve --async-adapt`` through a real HTTP client: the answer, then the statistics'
+    counts once the idle pass has run."""
+    server = ServerProcess(tmp_path / "async.log", "--async-adapt", "--max-batch", "4",
+                           model=MODEL)
+    try:
+        x = images(4, 0)
+        tensor = httpclient.InferInput("pixel_values", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x)
+        assert server.client.infer("vit_fmnist", [tensor]).as_numpy("logits").shape == (4, 10)
+
+        def counts() -> dict:
+            status, body = http_call(server, "GET", "/v2/models/vit_fmnist/adaptation/statistics")
+            assert status == 200
+            return json.loads(body)["asynchronous"]
+
+        wait_for(lambda: counts()["adapted_samples"] == 4)
+        assert counts() == {"served_samples": 4, "adapted_samples": 4, "dropped_samples": 0,
+                            "waiting_samples": 0}
+    finally:
+        server.stop()
