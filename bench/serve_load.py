@@ -8,8 +8,10 @@ that many tritonclient.http clients (threads of this process) send ``--requests`
 of ``--batch`` preprocessed images, back to back, after ``--warmup`` untimed ones. Latency is
 per request, client side (send to parsed response); throughput is images per second of wall
 time. ``--delays adaptive,fixed`` runs each method under both batching delays (the server's
-default, adaptive, and ``--fixed-delay``). The clients share the machine with the server: on a
-2-core machine they take CPU from it, so the numbers are for the whole client + server system.
+default, adaptive, and ``--fixed-delay``). A method named ``eva0+async`` is served with
+``--async-adapt`` (answers from one forward, adaptation on answered inputs while idle). The
+clients share the machine with the server: on a 2-core machine they take CPU from it, so the
+numbers are for the whole client + server system.
 ``--replicas 0,1,2`` repeats everything on the plain server (0) and on fleets of 1 and 2 Ray Serve
 replicas (``serve --replicas N``, the [fleet] extra; ``--threads`` is then each replica's ORT
 threads; the rows-per-step column is one replica's, from the ``/metrics`` that answered).
@@ -40,6 +42,8 @@ from eva0_edge.runtime.modelfile import read_metadata
 from .machine import environment
 from .output import machine_line, pyplot, save_figure, write_outputs
 from .workload import random_batch
+
+ASYNC = "+async"  # a method named eva0+async is served with --async-adapt
 
 
 def _free_port() -> int:
@@ -141,7 +145,9 @@ def run_load(
     env_start = environment()
     rows = []
     for method, delay, fleet in ((m, d, n) for m in methods for d in delays for n in replicas):
-        server = ServeProcess(model, method, threads, max_delay_ms, delay, fleet)
+        base, asynchronous = method.removesuffix(ASYNC), method.endswith(ASYNC)
+        server = ServeProcess(model, base, threads, max_delay_ms, delay, fleet,
+                              ("--async-adapt",) if asynchronous else ())
         try:
             for clients in concurrency:
                 rows_before, steps_before = server.step_counts()
