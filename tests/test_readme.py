@@ -37,3 +37,13 @@ def test_the_gpu_tables_are_the_committed_gpu_run():
     run = ROOT / "bench" / "results" / "h100-2026-11-28" / "final"
     assert (run / "gpu.md").read_text().strip() in readme
     assert "bench/results/h100-2026-11-28/final/" in readme
+
+
+def test_the_asynchronous_serving_tables_are_the_committed_runs():
+    """The async_stream and serve_load tables of ``serve --async-adapt`` in the README are the
+    committed runs' (bench/results/async-stream/, bench/results/serve-async/), row for row."""
+    readme = (ROOT / "README.md").read_text()
+    for run, stem in (("async-stream", "async_stream"), ("serve-async", "serve_load")):
+        text = (ROOT / "bench" / "results" / run / f"{stem}.md").read_text()
+        table = "\n".join(line for line in text.splitlines() if line.startswith("|"))
+        assert table in readme, f"the README's {run} table is not bench/results/{run}/{stem}.md"
