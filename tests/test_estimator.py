@@ -103,6 +103,11 @@ def test_prediction_coefficients_and_gradient_of_the_two_sided_estimate():
     assert session.counter.samples == 6 and session.counter.forwards == 4 * 6  # 12 + our 12
     estimator.estimate(x, state, seed=3, step_index=6, n_anchor=0, control=False)
     assert session.counter.samples == 12 and session.counter.forwards == 6 * 6
+    again = estimator.estimate(x, state, seed=3, step_index=6, n_anchor=0, control=False,
+                               count=False)  # a batch counted when it was served
+    assert session.counter.samples == 12 and session.counter.forwards == 8 * 6
+    np.testing.assert_array_equal(again.grad, estimator.estimate(
+        x, state, seed=3, step_index=6, n_anchor=0, control=False).grad)
 
 
 def test_side_averaged_features_and_their_squares():
