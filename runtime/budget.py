@@ -70,10 +70,7 @@ class ComputeBudget:
         """Whether to adapt on the next batch of ``batch`` samples (and charge it): the
         synchronous step, which :meth:`earn`s the batch's credit and then :meth:`spend`s."""
         self.earn(batch)
-        take = self.spend(batch)
-        if not take:
-            self.served_samples += batch
-        return take
+        return self.spend(batch)
 
     def earn(self, batch: int) -> None:
         """Add the credit of ``batch`` served samples, (F - 1) each, up to the bucket (or one
@@ -83,7 +80,8 @@ class ComputeBudget:
 
     def spend(self, batch: int) -> bool:
         """Whether the credit pays for adapting on ``batch`` samples now (dense: whenever it
-        can; settled: only once the bucket is full); if so it is taken."""
+        can; settled: only once the bucket is full); if so it is taken. Counts the samples as
+        adapted on, or as served only."""
         cost = batch * self.extra
         capacity = max(self.capacity, cost)  # a low budget still affords a large batch now and then
         affordable = self.credit >= cost
@@ -92,6 +90,8 @@ class ComputeBudget:
         if take:
             self.credit -= cost
             self.adapted_samples += batch
+        else:
+            self.served_samples += batch
         return take
 
     def charge(self, extra_forwards: float) -> None:

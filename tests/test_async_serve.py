@@ -136,6 +136,9 @@ def test_the_budget_charges_an_adapted_sample_its_forwards_beyond_the_served_one
     fps = worker.call(lambda m: m.forwards_per_sample).result(30)
     assert fps == pytest.approx(1 + 2 * counts["adapted_samples"] / counts["served_samples"])
     assert counts["adapted_samples"] > 0 and fps <= 1.5 + 0.5 * 1024 / 1600 + 1e-9
+    budget = worker.call(lambda m: m.stats()["budget"]).result(30)
+    assert budget["adapted_samples"] == counts["adapted_samples"]
+    assert 0 < budget["served_samples"] <= counts["dropped_samples"]  # declined by the budget
 
 
 def test_a_method_without_a_separate_step_is_refused(prompt_vit):
