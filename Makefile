@@ -104,14 +104,15 @@ hostile: setup data
 # and the Pareto plot of accuracy against the measured forwards per sample.
 BUDGETS ?= 1.5 1.25
 BUDGET_LIMIT ?= 300
+BUDGET_BATCHES ?= 1,64
 budget: setup data
 	for m in vit_fmnist resnet_gn_fmnist; do \
 		$(VENV)/bin/eva0-edge eval --model models/$$m.onnx --protocol continual --severity 5 \
-			--limit $(BUDGET_LIMIT) --batch-sizes 1,64 --methods noadapt,noadapt-shift,eva0 \
+			--limit $(BUDGET_LIMIT) --batch-sizes $(BUDGET_BATCHES) --methods noadapt,noadapt-shift,eva0 \
 			--threads 1 --out out/budget/$$m-full -q; \
 		for f in $(BUDGETS); do \
 			$(VENV)/bin/eva0-edge eval --model models/$$m.onnx --protocol continual --severity 5 \
-				--limit $(BUDGET_LIMIT) --batch-sizes 1,64 --methods eva0 --budget $$f \
+				--limit $(BUDGET_LIMIT) --batch-sizes $(BUDGET_BATCHES) --methods eva0 --budget $$f \
 				--threads 1 --out out/budget/$$m-$$f -q; \
 		done; done
 	$(PY) -m eva0_edge.bench.budget_summary out/budget
