@@ -123,9 +123,12 @@ class StepController:
             return logits
         x = m.session.check_input(x)
         inputs_changed = self._inputs_changed(x)
-        if not adapt and self.budget is not None:
-            self.budget.earn(x.shape[0])
-        if not adapt or (self.budget is not None and not self.budget.adapt(x.shape[0])):
+        if self.budget is not None:  # serving apart only earns; the step earns and spends
+            if adapt:
+                adapt = self.budget.adapt(x.shape[0])
+            else:
+                self.budget.earn(x.shape[0])
+        if not adapt:
             served, shift_changed = m.serve(x)
             self._after_change(inputs_changed or shift_changed)
             return served

@@ -254,9 +254,7 @@ class AdaptationWorker:
             offset += n
         if self._adaptive is not None:
             self._remember(x)
-        self._steps_since_snapshot += 1
-        if self._steps_since_snapshot >= self.snapshot_every:
-            self.snapshot_now()
+        self._count_step()
         if self.on_step is not None:
             try:
                 self.on_step(StepRecord(rows, len(jobs), seconds, self.model.last.skipped))
@@ -293,6 +291,10 @@ class AdaptationWorker:
             ran = False
         self._counts["adapted_samples" if ran else "dropped_samples"] += x.shape[0]
         if ran:
-            self._steps_since_snapshot += 1
-            if self._steps_since_snapshot >= self.snapshot_every:
-                self.snapshot_now()
+            self._count_step()
+
+    def _count_step(self) -> None:
+        """One more step on the state; a snapshot every ``snapshot_every`` of them."""
+        self._steps_since_snapshot += 1
+        if self._steps_since_snapshot >= self.snapshot_every:
+            self.snapshot_now()
