@@ -7,6 +7,7 @@ import logging
 
 from eva0_edge.runtime.cli import (
     add_runtime_options,
+    budget_list,
     int_in,
     int_list,
     method_overrides,
@@ -109,6 +110,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         progress=not args.quiet,
         prompt_model=bench_prompt_model(model, args.arch, args.seed, args.prompt_model, methods),
         provider=concrete_provider(args.provider),
+        budgets=args.budgets or (),
     )
     print(markdown(report))
     if args.out:
@@ -172,6 +174,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--provider", default="cpu", choices=["auto", "cpu", "cuda"],
                    help="ORT provider of the runtime methods (default cpu; tent stays in torch "
                    "on the CPU)")
+    p.add_argument("--budgets", type=budget_list, help="comma-separated compute budgets "
+                   "(forwards per sample): a row 'METHOD budget F' per adapting EVA-0-family "
+                   "method, its settled schedule's mean time and measured forwards per sample")
     p.add_argument("--out", help="folder for cost.md / cost.json / cost.png")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-batch lines")
     p.set_defaults(func=_cmd_bench)

@@ -21,6 +21,13 @@ Methods (all on the same batch of random normalised pixels):
 The health guard is off in every runtime step timed here: on random pixels it trips at once
 and the steps after it would be its pause, not the method's step.
 
+``--budgets F,...`` adds a row ``METHOD budget F`` per adapting EVA-0-family method and budget:
+the controller with that compute budget (:mod:`eva0_edge.runtime.budget`) in its settled
+schedule (the steady state on a stream the model has learnt: a batch adapted on whenever the
+bucket is full, the others served with one forward). Its time is the *mean* over the
+repetitions, since the cost alternates between the two kinds of batch, and its forwards per
+sample are read from the session's forward counter over the timed repetitions.
+
 Timing: warm-up, then repetitions interleaved across methods (round-robin, so a load spike hits
 all of them), medians. Peak memory: each (method, batch) runs again in its own process and
 reports its peak RSS (``ru_maxrss``). The share of a runtime step spent outside ORT comes from the
@@ -83,13 +90,43 @@ def check_cost_method(name: str) -> None:
         raise ValueError(f"unknown method {name!r}; known: {', '.join(COST_METHODS)}") from None
 
 
+def budgeted(method: str) -> bool:
+    """Whether ``method`` (a cost method) takes a compute budget: an adapting method of the
+    EVA-0-family engine."""
+    if method == "tent":
+        return False
+    spec = spec_of(base_name(session_mode(method)[0]))
+    return spec.kind == "engine" and spec.adapts
+
+
+def cost_cases(
+    methods: Sequence[str], budgets: Sequence[float]
+) -> list[tuple[str, str, float | None]]:
+    """(row name, method, budget) for every method, then ``METHOD budget F`` for every
+    budgeted method and budget."""
+    cases: list[tuple[str, str, float | None]] = [(m, m, None) for m in methods]
+    for budget in budgets:
+        cases += [(f"{m} budget {budget:g}", m, budget) for m in methods if budgeted(m)]
+    return cases
+
+
+@dataclass
+class Step:
+    """One cost case ready to time: ``run`` does one step on the fixed batch; ``ort_seconds``
+    and ``forwards`` read the session's ORT clock and forward counter (None for TENT)."""
+
+    run: Callable[[], None]
+    ort_seconds: Callable[[], float] | None = None
+    forwards: Callable[[], int] | None = None
+
+
 def make_step(
     method: str, model_path: str, batch: int, threads: int | None, torch_model_fn=None,
-    prompt_model: str | None = None, provider: str = "cpu",
-) -> tuple[Callable[[], None], Callable[[], float] | None]:
-    """A zero-argument callable doing one step of ``method`` on a fixed batch, and (for
-    runtime methods) a callable returning the ORT seconds accumulated so far. Prompt methods
-    run on ``prompt_model``; runtime methods on ORT's ``provider``, TENT in torch on the CPU."""
+    prompt_model: str | None = None, provider: str = "cpu", budget: float | None = None,
+) -> Step:
+    """One step of ``method`` on a fixed batch. Prompt methods run on ``prompt_model``;
+    runtime methods on ORT's ``provider``, TENT in torch on the CPU. ``budget``: the
+    controller's compute budget in forwards per sample, in its settled schedule."""
     metadata = read_metadata(model_path)
     x = random_batch(metadata, batch)
     if method != "tent":
@@ -100,9 +137,16 @@ def make_step(
                 raise ValueError(f"{method} needs a prompt model (--prompt-model or --arch)")
             path = prompt_model
         config = {"guard": False} if spec_of(base).kind == "engine" else None
+        if budget is not None:
+            if not budgeted(method):
+                raise ValueError(f"{method} takes no compute budget")
+            config = {**(config or {}), "budget": budget}
         model = load_method(path, base, config, seed=0, provider=provider, threads=threads,
                             **flags)
-        return (lambda: model.step(x)), (lambda: model.session.counter.ort_seconds)
+        if budget is not None:
+            model.budget.dense = False  # the steady state on a learnt stream (the bucket full)
+        counter = model.session.counter
+        return Step(lambda: model.step(x), lambda: counter.ort_seconds, lambda: counter.forwards)
     import torch
 
     from .backprop import BackpropTTA
@@ -110,7 +154,7 @@ def make_step(
     if threads:
         torch.set_num_threads(threads)
     tta = BackpropTTA("tent", torch_model_fn(), metadata, None, batch)
-    return (lambda: tta.step(x)), None
+    return Step(lambda: tta.step(x))
 
 
 @dataclass
@@ -119,6 +163,7 @@ class CostRow:
     batch: int
     ms_per_sample: float
     ratio_to_noadapt: float | None = None
+    forwards_per_sample: float | None = None
     peak_rss_mb: float | None = None
     rss_ratio_to_noadapt: float | None = None
     gpu_load_mb: float | None = None
@@ -140,35 +185,43 @@ def time_methods(
     prompt_model: str | None = None,
     provider: str = "cpu",
     tick: Callable[[], Any] | None = None,
+    budgets: Sequence[float] = (),
 ) -> list[CostRow]:
-    """Interleaved timing of every method at one batch size; medians in ms per sample.
-    ``tick`` is called after every step (warm-up included: a progress bar)."""
+    """Interleaved timing of every cost case (:func:`cost_cases`) at one batch size, in ms per
+    sample: medians, means for the budget rows. ``tick`` is called after every step (warm-up
+    included: a progress bar)."""
+    cases = cost_cases(methods, budgets)
     steps = {
-        m: make_step(m, model_path, batch, threads, torch_model_fn, prompt_model, provider)
-        for m in methods
+        name: make_step(m, model_path, batch, threads, torch_model_fn, prompt_model, provider,
+                        budget)
+        for name, m, budget in cases
     }
     for _ in range(warmup):
-        for step, _ in steps.values():
-            step()
+        for step in steps.values():
+            step.run()
             if tick:
                 tick()
-    ort_before = {m: (clock() if clock else 0.0) for m, (_, clock) in steps.items()}
-    samples: dict[str, list[float]] = {m: [] for m in methods}
+    ort_before = {n: s.ort_seconds() for n, s in steps.items() if s.ort_seconds}
+    forwards_before = {n: s.forwards() for n, s in steps.items() if s.forwards}
+    samples: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
-        for m, (step, _) in steps.items():
+        for name, step in steps.items():
             start = time.perf_counter()
-            step()
-            samples[m].append(time.perf_counter() - start)
+            step.run()
+            samples[name].append(time.perf_counter() - start)
             if tick:
                 tick()
     rows = []
-    for m in methods:
-        total = float(np.sum(samples[m]))
-        row = CostRow(m, batch, 1000.0 * float(np.median(samples[m])) / batch,
-                      samples=[1000.0 * s / batch for s in samples[m]])
-        clock = steps[m][1]
-        if clock and m != "noadapt":
-            row.outside_ort_share = max(0.0, 1.0 - (clock() - ort_before[m]) / total)
+    for name, m, budget in cases:
+        seconds, step = samples[name], steps[name]
+        typical = float(np.mean(seconds) if budget is not None else np.median(seconds))
+        row = CostRow(name, batch, 1000.0 * typical / batch,
+                      samples=[1000.0 * s / batch for s in seconds])
+        if step.forwards:
+            row.forwards_per_sample = (step.forwards() - forwards_before[name]) / (repeats * batch)
+        if step.ort_seconds and m != "noadapt":
+            spent = step.ort_seconds() - ort_before[name]
+            row.outside_ort_share = max(0.0, 1.0 - spent / float(np.sum(seconds)))
         rows.append(row)
     return rows
 
@@ -264,21 +317,25 @@ def run_bench(
     progress: bool = True,
     prompt_model: str | None = None,
     provider: str = "cpu",
+    budgets: Sequence[float] = (),
 ) -> dict[str, Any]:
-    """Time every method at every batch size, measure peak memory (host RSS; on CUDA also GPU
-    memory after load and at peak), and return a report dict. The prompt methods run on
-    ``prompt_model``; runtime methods on ORT's ``provider``."""
+    """Time every method at every batch size (and each budgeted method at each of
+    ``budgets``, forwards per sample), measure peak memory (host RSS; on CUDA also GPU memory
+    after load and at peak; not for the budget rows: a budget changes how often the step runs,
+    not its peak), and return a report dict. The prompt methods run on ``prompt_model``;
+    runtime methods on ORT's ``provider``."""
     for m in methods:
         check_cost_method(m)
     methods = ["noadapt", *[m for m in methods if m != "noadapt"]]
     env_start = environment()
     torch_fn = torch_model_loader(torch_spec, model_path) if "tent" in methods else None
     architecture = read_metadata(model_path).architecture  # a bad file fails before any output
-    bar = progress_bar(total=len(batch_sizes) * len(methods) * (warmup + repeats),
+    cases = len(cost_cases(methods, budgets))
+    bar = progress_bar(total=len(batch_sizes) * cases * (warmup + repeats),
                        desc="timing steps", unit="step", quiet=not progress)
     try:
         rows = _time_batches(model_path, batch_sizes, methods, repeats, warmup, threads, memory,
-                             torch_spec, torch_fn, progress, prompt_model, provider, bar)
+                             torch_spec, torch_fn, progress, prompt_model, provider, bar, budgets)
     finally:
         bar.close()
     return {
@@ -289,6 +346,7 @@ def run_bench(
         "provider": provider,
         "repeats": repeats,
         "warmup": warmup,
+        "budgets": list(budgets),
         "environment_start": env_start,
         "environment_end": environment(),
         "rows": [row.__dict__ for row in rows],
@@ -298,23 +356,24 @@ def run_bench(
 def _time_batches(
     model_path: str, batch_sizes: Sequence[int], methods: list[str], repeats: int, warmup: int,
     threads: int | None, memory: bool, torch_spec: dict | None, torch_fn, progress: bool,
-    prompt_model: str | None, provider: str, bar,
+    prompt_model: str | None, provider: str, bar, budgets: Sequence[float],
 ) -> list[CostRow]:
     """:func:`run_bench`'s rows, batch size by batch size (``bar``: ticked every step)."""
     rows: list[CostRow] = []
     for batch in batch_sizes:
         batch_rows = time_methods(model_path, methods, batch, repeats, warmup, threads, torch_fn,
-                                  prompt_model, provider, bar.update)
+                                  prompt_model, provider, bar.update, budgets)
         base = batch_rows[0].ms_per_sample
         for row in batch_rows:
             row.ratio_to_noadapt = row.ms_per_sample / base
         if memory:
-            for row in batch_rows:
+            measured_rows = [row for row in batch_rows if row.method in methods]
+            for row in measured_rows:
                 measured = process_memory(model_path, row.method, batch, max(3, warmup + 1),
                                           threads, torch_spec, prompt_model, provider)
                 for key, value in measured.items():
                     setattr(row, key, value)
-            for row in batch_rows:
+            for row in measured_rows:
                 row.rss_ratio_to_noadapt = row.peak_rss_mb / batch_rows[0].peak_rss_mb
                 if row.gpu_peak_mb is not None and batch_rows[0].gpu_peak_mb:
                     row.gpu_ratio_to_noadapt = row.gpu_peak_mb / batch_rows[0].gpu_peak_mb
@@ -334,9 +393,9 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         machine_line(report),
         "",
-        "| method | batch | ms / sample | x NoAdapt | peak RSS MB | RSS x NoAdapt | outside ORT |"
-        + gpu_head,
-        "|---|---|---|---|---|---|---|" + ("---|---|" if gpu else ""),
+        "| method | batch | ms / sample | x NoAdapt | forwards / sample | peak RSS MB "
+        "| RSS x NoAdapt | outside ORT |" + gpu_head,
+        "|---|---|---|---|---|---|---|---|" + ("---|---|" if gpu else ""),
     ]
 
     def fmt(v, spec):
@@ -349,7 +408,8 @@ def markdown(report: dict[str, Any]) -> str:
         )
         lines.append(
             f"| {r['method']} | {r['batch']} | {r['ms_per_sample']:.3f} | "
-            f"{fmt(r['ratio_to_noadapt'], '.2f')} | {fmt(r['peak_rss_mb'], '.0f')} | "
+            f"{fmt(r['ratio_to_noadapt'], '.2f')} | {fmt(r.get('forwards_per_sample'), '.2f')} | "
+            f"{fmt(r['peak_rss_mb'], '.0f')} | "
             f"{fmt(r['rss_ratio_to_noadapt'], '.2f')} | "
             f"{fmt(r['outside_ort_share'] and 100 * r['outside_ort_share'], '.1f')}"
             f"{'%' if r['outside_ort_share'] is not None else ''} |" + gpu_cells
@@ -402,7 +462,7 @@ def _worker(argv: list[str]) -> None:
 
     def load() -> Callable[[], None]:
         return make_step(method, model_path, int(batch), int(threads) or None, loader,
-                         prompt_model or None, provider)[0]
+                         prompt_model or None, provider).run
 
     result: dict[str, Any] = {}
     if provider == "cuda" and method != "tent":

@@ -10,6 +10,8 @@
 #   costs    bench on CUDA, ResNet50-GN and ViT-B, batch 1/8/32, 20 interleaved repetitions
 #   memory   GPU memory (NVML, each method in its own process) at batch 32
 #   profile  cProfile of 20 default-mode EVA-0 steps at batch 32 (the host part of the step)
+#   budget   bench on CUDA: noadapt-shift and default-mode EVA-0 at compute budgets 1.25 and
+#            1.5 (settled schedule, mean time, measured forwards per sample), batch 1/8/32
 #   (after costs / memory: bench/gpu_summary.py writes their tables, gpu.md and gpu.json)
 #   eval     clean-stream accuracy of the shipped models on CUDA and on the CPU
 #   cpu      the same machine's CPU cost tables
@@ -21,7 +23,7 @@
 set -u
 out=${1:?usage: gpu_check.sh OUT_DIR [PART ...]}
 shift
-parts=" ${*:-tests costs memory profile eval cpu} "
+parts=" ${*:-tests costs memory profile budget eval cpu} "
 res=$(mktemp -d)
 cli=(python3 -m eva0_edge.cli)
 archs=(resnet50_gn vit_base_patch16_224)
@@ -65,7 +67,14 @@ if want profile; then
     head -40 "$res/profile-$arch.txt"
   done
 fi
-if want costs || want memory; then  # the README's GPU tables: gpu.md, gpu.json
+if want budget; then
+  for arch in "${archs[@]}"; do
+    run 150 "${cli[@]}" bench --arch "$arch" --provider cuda --batch-sizes 1,8,32 \
+      --methods noadapt-shift,eva0-split --budgets 1.25,1.5 --repeats 40 --warmup 3 \
+      --no-memory --out "$res/budget-$arch-cuda" -q
+  done
+fi
+if want costs || want memory || want budget; then  # the README's GPU tables: gpu.md, gpu.json
   run 30 python3 -m eva0_edge.bench.gpu_summary "$res"
 fi
 if want eval; then

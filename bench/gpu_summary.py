@@ -5,8 +5,10 @@
 Reads ``<dir>/bench-<arch>-cuda/cost.json`` (ms per sample of NoAdapt and, as multiples of it,
 EVA-0 and ZOA in the default CUDA mode (``-split``: split sessions through IOBinding, rows per
 call from the memory budget) and as one call over all rows) and
-``<dir>/memory-<arch>-cuda/cost.json`` (GPU memory per process from NVML at one batch size).
-Prints both tables and writes ``<dir>/gpu.md`` and ``gpu.json``.
+``<dir>/memory-<arch>-cuda/cost.json`` (GPU memory per process from NVML at one batch size)
+and ``<dir>/budget-<arch>-cuda/cost.json`` (noadapt-shift, default-mode EVA-0 at full rate and
+at each compute budget: time as multiples of NoAdapt's, forwards per sample as counted).
+Prints the tables it has reports for and writes ``<dir>/gpu.md`` and ``gpu.json``.
 """
 
 from __future__ import annotations
@@ -65,11 +67,58 @@ def memory_rows(folder: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def budget_rows(folder: Path) -> list[dict[str, Any]]:
+    """One row per (architecture, batch): NoAdapt's ms per sample, then (multiple of NoAdapt's
+    time, forwards per sample) of noadapt-shift, default-mode EVA-0 and EVA-0 at each budget
+    (``columns``: their row names in the report)."""
+    rows = []
+    for report in _reports(folder, "budget"):
+        budgets = report.get("budgets", [])
+        columns = ["noadapt-shift", "eva0-split", *(f"eva0-split budget {b:g}" for b in budgets)]
+        by_key = {(r["method"], r["batch"]): r for r in report["rows"]}
+        for batch in sorted({r["batch"] for r in report["rows"]}):
+            row: dict[str, Any] = {"model": report["architecture"], "batch_size": batch,
+                                   "noadapt_ms": by_key[("noadapt", batch)]["ms_per_sample"],
+                                   "columns": columns}
+            for method in columns:
+                found = by_key.get((method, batch))
+                row[method] = None if found is None else {
+                    "ratio": found["ratio_to_noadapt"],
+                    "forwards_per_sample": found["forwards_per_sample"]}
+            rows.append(row)
+    return rows
+
+
+def _budget_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    columns = rows[0]["columns"]
+    names = ["noadapt-shift", "EVA-0 default",
+             *(c.replace("eva0-split budget", "EVA-0 budget") for c in columns[2:])]
+    lines = [f"| model | B | NoAdapt ms / sample | {' | '.join(names)} |",
+             "|---" * (len(names) + 3) + "|"]
+    for r in rows:
+        cells = ["-" if r.get(c) is None else
+                 f"{_times(r[c]['ratio'])} ({r[c]['forwards_per_sample']:.2f} fwd)"
+                 for c in columns]
+        lines.append(f"| {r['model']} | {r['batch_size']} | {r['noadapt_ms']:.3f} | "
+                     f"{' | '.join(cells)} |")
+    return lines
+
+
 def _times(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio:.2f}x"
 
 
-def markdown(costs: list[dict[str, Any]], memory: list[dict[str, Any]]) -> str:
+def markdown(costs: list[dict[str, Any]], memory: list[dict[str, Any]],
+             budgets: list[dict[str, Any]] = ()) -> str:
+    """The cost, memory and budget tables (those with rows), one blank line apart."""
+    tables = [t for t in (_cost_markdown(costs), _memory_markdown(memory),
+                          _budget_markdown(list(budgets)) if budgets else []) if t]
+    return "\n\n".join("\n".join(t) for t in tables)
+
+
+def _cost_markdown(costs: list[dict[str, Any]]) -> list[str]:
+    if not costs:
+        return []
     names = [label for _, label in COST_COLUMNS]
     lines = [f"| model | B | NoAdapt ms / sample | {' | '.join(names)} | "
              "EVA-0 default outside ORT |", "|---" * (len(names) + 4) + "|"]
@@ -78,15 +127,21 @@ def markdown(costs: list[dict[str, Any]], memory: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['model']} | {r['batch_size']} | {r['noadapt_ms']:.3f} | "
                      + " | ".join(_times(r[m]) for m, _ in COST_COLUMNS)
                      + f" | {'-' if share is None else f'{100 * share:.0f}%'} |")
+    return lines
+
+
+def _memory_markdown(memory: list[dict[str, Any]]) -> list[str]:
+    if not memory:
+        return []
     names = [label for _, label in MEMORY_COLUMNS]
-    lines += ["", f"| model | B | NoAdapt GPU MiB load / peak | {' | '.join(names)} |",
-              "|---" * (len(names) + 3) + "|"]
+    lines = [f"| model | B | NoAdapt GPU MiB load / peak | {' | '.join(names)} |",
+             "|---" * (len(names) + 3) + "|"]
     for r in memory:
         cells = ["-" if r[m] is None else f"{r[m]['peak_mb']:.0f} ({_times(r[m]['ratio'])})"
                  for m, _ in MEMORY_COLUMNS]
         lines.append(f"| {r['model']} | {r['batch_size']} | {r['noadapt_load_mb']:.0f} / "
                      f"{r['noadapt_peak_mb']:.0f} | {' | '.join(cells)} |")
-    return "\n".join(lines)
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,11 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", type=Path, help="gpu_check.sh's results folder")
     args = parser.parse_args(argv)
     costs, memory = cost_rows(args.results), memory_rows(args.results)
-    if not costs and not memory:
-        parser.error(f"no bench-*-cuda/cost.json or memory-*-cuda/cost.json under {args.results}")
-    table = markdown(costs, memory)
+    budgets = budget_rows(args.results)
+    if not costs and not memory and not budgets:
+        parser.error(f"no bench-*-cuda/cost.json, memory-*-cuda/cost.json or "
+                     f"budget-*-cuda/cost.json under {args.results}")
+    table = markdown(costs, memory, budgets)
     print(table)
-    write_outputs(args.results, "gpu", {"costs": costs, "memory": memory}, table + "\n")
+    write_outputs(args.results, "gpu", {"costs": costs, "memory": memory, "budgets": budgets},
+                  table + "\n")
     return 0
 
 

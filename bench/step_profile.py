@@ -25,10 +25,13 @@ from .workload import export_random
 
 
 def profile_steps(
-    model_path: str, method: str, batch: int, steps: int, provider: str, top: int
+    model_path: str, method: str, batch: int, steps: int, provider: str, top: int,
+    budget: float | None = None,
 ) -> str:
-    """The report of ``steps`` profiled steps (after two warm-up steps) as text."""
-    step, ort_seconds = make_step(method, model_path, batch, None, provider=provider)
+    """The report of ``steps`` profiled steps (after two warm-up steps) as text; ``budget``:
+    the controller's settled schedule at that many forwards per sample (see ``bench``)."""
+    made = make_step(method, model_path, batch, None, provider=provider, budget=budget)
+    step, ort_seconds = made.run, made.ort_seconds
     for _ in range(2):
         step()
     ort_before = ort_seconds() if ort_seconds else 0.0
@@ -43,7 +46,8 @@ def profile_steps(
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
     stats.print_stats(top)
-    head = (f"{method} B={batch} on {provider}: {wall_ms:.2f} ms per step (profiled), "
+    label = method if budget is None else f"{method} budget {budget:g}"
+    head = (f"{label} B={batch} on {provider}: {wall_ms:.2f} ms per step (profiled), "
             f"ORT {ort_ms:.2f} ms ({100 * ort_ms / wall_ms:.0f}%)\n")
     return head + text.getvalue()
 
@@ -57,9 +61,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=25, help="functions listed")
+    parser.add_argument("--budget", type=float, help="compute budget, forwards per sample")
     args = parser.parse_args(argv)
     path = args.model or str(export_random(args.arch, cache_dir() / "bench-models"))
-    print(profile_steps(path, args.method, args.batch, args.steps, args.provider, args.top))
+    print(profile_steps(path, args.method, args.batch, args.steps, args.provider, args.top,
+                        args.budget))
 
 
 if __name__ == "__main__":

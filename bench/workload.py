@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from eva0_edge.runtime.calibrate import calibrate_with_images
+from eva0_edge.runtime.modelfile import read_metadata
 
 
 def random_batch(metadata, batch: int, seed: int = 0) -> np.ndarray:
@@ -23,10 +24,12 @@ def random_batch(metadata, batch: int, seed: int = 0) -> np.ndarray:
 def export_random(arch: str, out_dir: Path, seed: int = 0, prompts: int = 0) -> Path:
     """Export timm ``arch`` with random weights (seeded) into ``out_dir`` once; reuse after.
 
-    ``prompts`` > 0: the black-box prompt variant of the same weights, its source statistics
-    taken from 64 random images (the numbers only need the real code path, not meaning)."""
+    ``prompts`` > 0: the black-box prompt variant of the same weights. Either file gets source
+    statistics from 64 random images (the numbers only need the real code path, not meaning),
+    so the activation shift and the alignment term run as on a calibrated model; a cached
+    file without them is exported again."""
     path = out_dir / f"{arch}-seed{seed}{f'-p{prompts}' if prompts else ''}.onnx"
-    if not path.is_file():
+    if not (path.is_file() and read_metadata(path).has_source_stats):
         import torch
 
         from eva0_edge.exporter import export_model
@@ -35,11 +38,10 @@ def export_random(arch: str, out_dir: Path, seed: int = 0, prompts: int = 0) -> 
         partial = path.with_name(path.stem + f".{os.getpid()}.partial.onnx")
         torch.manual_seed(seed)
         metadata = export_model(arch, partial, prompts=prompts)
-        if prompts:
-            size = metadata.preprocessing.input_size
-            images = np.random.default_rng(seed).integers(
-                0, 256, (64, size[1], size[2], size[0]), dtype=np.uint8
-            )
-            calibrate_with_images(partial, images)
+        size = metadata.preprocessing.input_size
+        images = np.random.default_rng(seed).integers(
+            0, 256, (64, size[1], size[2], size[0]), dtype=np.uint8
+        )
+        calibrate_with_images(partial, images)
         os.replace(partial, path)
     return path

@@ -74,6 +74,24 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def budget_list(text: str) -> list[float]:
+    """An argparse type: ``"1.25,1.5"`` -> [1.25, 1.5], compute budgets in forwards per
+    sample, each finite and >= 1 (the method's own forwards are its upper bound)."""
+    values = []
+    for part in split_names(text):
+        try:
+            value = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {part!r}") from None
+        if not 1.0 <= value < float("inf"):
+            raise argparse.ArgumentTypeError(f"a budget must be >= 1 forward per sample, "
+                                             f"got {part}")
+        values.append(value)
+    if not values:
+        raise argparse.ArgumentTypeError("give at least one budget, e.g. 1.25,1.5")
+    return values
+
+
 def split_names(text: str) -> list[str]:
     """``"a, b,,c"`` -> ``["a", "b", "c"]``."""
     return [part.strip() for part in text.split(",") if part.strip()]

@@ -36,6 +36,33 @@ def test_bench_writes_tables_json_and_png(small_vit, prompt_vit, tmp_path, capsy
     assert (tmp_path / "cost.png").stat().st_size > 10_000
 
 
+def test_bench_budget_rows_measure_their_forwards(calibrated_vit, tmp_path):
+    """A budget row runs the controller's settled schedule: at 1.5 every other batch is
+    adapted on (8 repetitions: 12 forwards per sample of 8), at 1.25 every fourth; NoAdapt
+    and noadapt-shift read 1, full-rate EVA-0 2, from the forward counter."""
+    from eva0_edge.bench import cost
+
+    report = cost.run_bench(
+        str(calibrated_vit), [2], ["noadapt-shift", "eva0"], repeats=8, warmup=0,
+        threads=1, memory=False, progress=False, budgets=[1.25, 1.5],
+    )
+    forwards = {r["method"]: r["forwards_per_sample"] for r in report["rows"]}
+    assert forwards == {"noadapt": 1.0, "noadapt-shift": 1.0, "eva0": 2.0,
+                        "eva0 budget 1.25": 1.25, "eva0 budget 1.5": 1.5}
+    assert report["budgets"] == [1.25, 1.5]
+    budgeted = {r["method"]: r for r in report["rows"]}["eva0 budget 1.5"]
+    assert budgeted["ms_per_sample"] == pytest.approx(sum(budgeted["samples"]) / 8)  # the mean
+    cost.write_outputs(report, tmp_path)
+    assert "| eva0 budget 1.5 | 2 |" in (tmp_path / "cost.md").read_text()
+
+
+def test_bench_refuses_a_budget_below_one_forward(small_vit, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--model", str(small_vit.onnx_path), "--budgets", "1.5,0.5"])
+    assert exit_info.value.code == 2
+    assert "a budget must be >= 1 forward per sample, got 0.5" in capsys.readouterr().err
+
+
 def test_peak_memory_is_measured_in_a_fresh_process(small_vit):
     """A worker reports its own peak, not the (larger, torch-holding) parent's."""
     import numpy as np

@@ -42,6 +42,21 @@ def test_tables_take_each_method_at_its_batch(tmp_path, capsys):
         "peak_mb": 1100, "ratio": 1.1}
 
 
+def test_the_budget_table_gives_time_and_counted_forwards(tmp_path, capsys):
+    path = tmp_path / "budget-vit_base_patch16_224-cuda" / "cost.json"
+    path.parent.mkdir()
+    rows = [_row("noadapt", 32, 0.6, 1.0), _row("noadapt-shift", 32, 0.63, 1.05),
+            _row("eva0-split", 32, 1.8, 3.0), _row("eva0-split budget 1.25", 32, 1.1, 1.84)]
+    for row, forwards in zip(rows, (1.0, 1.0, 2.0, 1.25), strict=True):
+        row["forwards_per_sample"] = forwards
+    path.write_text(json.dumps({"architecture": "vit_base_patch16_224", "budgets": [1.25],
+                                "rows": rows}))
+    assert main([str(tmp_path)]) == 0
+    assert ("| vit_base_patch16_224 | 32 | 0.600 | 1.05x (1.00 fwd) | 3.00x (2.00 fwd) | "
+            "1.84x (1.25 fwd) |") in capsys.readouterr().out
+    assert "EVA-0 budget 1.25" in (tmp_path / "gpu.md").read_text()
+
+
 def test_an_empty_folder_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(tmp_path)])
