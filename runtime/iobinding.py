@@ -8,8 +8,8 @@ from collections.abc import Collection, Mapping
 import numpy as np
 import onnxruntime as ort
 
-# Row counts whose output buffers are kept per output (a step and a prediction alternate
-# between 2B and B rows; FOA adds 28B).
+# Row counts whose buffers are kept per output and per device input (a step and a served
+# prediction alternate between 2B and B rows; FOA adds 28B; a server's batches vary in size)
 KEPT_ROW_COUNTS = 4
 
 
@@ -17,9 +17,10 @@ class BoundRunner:
     """Runs ``session`` through one reused ``IOBinding``.
 
     Inputs are bound where they are: host arrays directly on the CPU provider; on CUDA they are
-    copied into device buffers kept per input name and shape (one host-to-device copy per call,
-    no allocation). Outputs are written into host float32 buffers kept per (output, row count),
-    so a call allocates no output arrays.
+    copied into device buffers kept per input name and shape (the last ``KEPT_ROW_COUNTS``
+    shapes: one host-to-device copy per call, no allocation, also when a budgeted step's 2B rows
+    and a served batch's B rows alternate). Outputs are written into host float32 buffers kept
+    per (output, row count), so a call allocates no output arrays.
 
     The arrays returned are those buffers: the next call with the same row count overwrites
     them. Copy what must outlive the call.
@@ -38,7 +39,7 @@ class BoundRunner:
             output.name: tuple(output.shape[1:]) for output in session.get_outputs()
         }
         self._outputs: dict[str, OrderedDict[int, tuple[np.ndarray, ort.OrtValue]]] = {}
-        self._device_inputs: dict[str, ort.OrtValue] = {}
+        self._device_inputs: dict[str, OrderedDict[tuple[int, ...], ort.OrtValue]] = {}
 
     def run(
         self, feeds: Mapping[str, np.ndarray | ort.OrtValue], outputs: list[str], rows: int,
@@ -74,10 +75,14 @@ class BoundRunner:
         return results
 
     def _device_input(self, name: str, array: np.ndarray) -> ort.OrtValue:
-        value = self._device_inputs.get(name)
-        if value is None or tuple(value.shape()) != array.shape:
+        kept = self._device_inputs.setdefault(name, OrderedDict())
+        value = kept.get(array.shape)
+        if value is None:
             value = ort.OrtValue.ortvalue_from_shape_and_type(array.shape, np.float32, "cuda", 0)
-            self._device_inputs[name] = value
+            kept[array.shape] = value
+            if len(kept) > KEPT_ROW_COUNTS:
+                kept.popitem(last=False)
+        kept.move_to_end(array.shape)
         value.update_inplace(array)
         return value
 
