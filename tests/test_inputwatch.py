@@ -60,3 +60,53 @@ def test_the_windows_restart_after_a_change():
         detector.observe(black[i:i + 1])
     assert detector.observe(_images("clean", 0, 64)) and detector.changes == 1
     assert detector.long_weight == 0.0 and detector.recent_weight == 0.0
+
+
+def _large(x: np.ndarray, seed: int | None = None, sigma: float = 0.0) -> np.ndarray:
+    """One channel of 32 x 32 images enlarged 7x to 224 x 224 (nearest), plus pixel noise of
+    ``sigma`` (normalised units) drawn at 224 x 224."""
+    big = np.repeat(np.repeat(x[:, :1], 7, axis=2), 7, axis=3)
+    if sigma:
+        big = big + np.random.default_rng(seed).normal(0, sigma, big.shape).astype(np.float32)
+    return big
+
+
+def test_large_images_are_described_from_a_subgrid_that_estimates_the_whole():
+    """224 x 224: stride 7, a 32 x 32 subgrid; its descriptors follow the full image's (the
+    brightness and contrast within sampling error, the roughness's order kept); 32 x 32: the
+    full image, bit for bit."""
+    from eva0_edge.runtime.inputwatch import GRID
+
+    small = _images("clean", 0, 64)
+    axes = (1, 2, 3)
+    f64 = np.float64
+    full_edges = (np.diff(small, axis=3) ** 2).mean(axes, dtype=f64) + \
+        (np.diff(small, axis=2) ** 2).mean(axes, dtype=f64)
+    variance = small.var(axes, dtype=f64)
+    full = np.stack([small.mean(axes, dtype=f64), np.log(variance + 1e-6),
+                     np.log((full_edges + 1e-6) / (variance + 1e-6))], axis=1)
+    np.testing.assert_array_equal(describe(small), full)
+    assert small.shape[2] == GRID
+    clean, noisy = describe(_large(small)), describe(_large(small, 0, 0.5))
+    np.testing.assert_allclose(clean[:, 0], small[:, :1].mean(axis=axes), atol=0.1)
+    assert (noisy[:, 2] > clean[:, 2] + 0.5).all()
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_large_images_a_return_to_clean_is_seen_and_clean_calls_none(batch):
+    """The same detector on 224 x 224 inputs: 384 noisy images (sigma 0.5 at 224 px) then 384
+    clean ones: one change, within the first 64 clean images."""
+    clean, later = _images("clean", 0, 384), _images("clean", 384, 768)
+    x = np.concatenate([_large(clean, 1, 0.5), _large(later)])
+    assert _changes_at(_large(clean), batch) == []
+    changes = _changes_at(x, batch)
+    assert len(changes) == 1 and 384 < changes[0] <= 384 + max(64, 2 * batch)
+
+
+def test_large_images_read_only_the_kept_rows_and_columns():
+    """Pixels off every 7th row and every 7th column of a 224 x 224 image are never read
+    (NaN there leaves the descriptors finite): the cost is a 1/7 of the image."""
+    x = _large(_images("clean", 0, 4))
+    off = (np.arange(224) % 7 != 0)
+    x[:, :, off[:, None] & off[None, :]] = np.nan
+    assert np.isfinite(describe(x)).all()
