@@ -103,10 +103,9 @@ def test_large_images_a_return_to_clean_is_seen_and_clean_calls_none(batch):
     assert len(changes) == 1 and 384 < changes[0] <= 384 + max(64, 2 * batch)
 
 
-def test_large_images_read_only_the_kept_rows_and_columns():
-    """Pixels off every 7th row and every 7th column of a 224 x 224 image are never read
-    (NaN there leaves the descriptors finite): the cost is a 1/7 of the image."""
+def test_large_images_read_only_the_sampled_rows():
+    """Of a 224 x 224 image only every 7th row and the row under it are read (NaN elsewhere
+    leaves the descriptors finite): the cost is 2/7 of the image."""
     x = _large(_images("clean", 0, 4))
-    off = (np.arange(224) % 7 != 0)
-    x[:, :, off[:, None] & off[None, :]] = np.nan
+    x[:, :, np.arange(224) % 7 > 1] = np.nan
     assert np.isfinite(describe(x)).all()
