@@ -32,11 +32,15 @@ def test_the_budget_and_layer_tables_are_the_committed_runs():
 
 def test_the_gpu_tables_are_the_committed_gpu_run():
     """``bench/gpu_check.sh``'s tables, as bench/gpu_summary.py wrote them for the H100 run in
-    bench/results/h100-2026-11-28/final/, appear in the README verbatim."""
+    bench/results/h100-2026-11-28/final/ and for the budget run in
+    bench/results/h100-budget/3-subgrid/, appear in the README verbatim."""
     readme = (ROOT / "README.md").read_text()
     run = ROOT / "bench" / "results" / "h100-2026-11-28" / "final"
     assert (run / "gpu.md").read_text().strip() in readme
     assert "bench/results/h100-2026-11-28/final/" in readme
+    budget = ROOT / "bench" / "results" / "h100-budget" / "3-subgrid"
+    assert (budget / "gpu.md").read_text().strip() in readme
+    assert "bench/results/h100-budget/3-subgrid/" in readme
 
 
 def test_the_asynchronous_serving_tables_are_the_committed_runs():
