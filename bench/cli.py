@@ -15,6 +15,10 @@ from eva0_edge.runtime.cli import (
     split_names,
 )
 
+# where the steps' routine warnings come from: skipped steps (the engine), the health guard's
+# trips and verdicts (the controller)
+QUIET_LOGGERS = ("eva0_edge.runtime.engine", "eva0_edge.runtime.controller")
+
 
 def _cmd_eval(args: argparse.Namespace) -> None:
     try:
@@ -22,8 +26,8 @@ def _cmd_eval(args: argparse.Namespace) -> None:
         from eva0_edge.bench.report import markdown_table
     except ImportError as err:
         raise missing_extra("eval", "bench", err) from err
-    if not args.verbose:  # trips and skips are routine on corrupted streams: the report counts them
-        logging.getLogger("eva0_edge.runtime.engine").setLevel(logging.ERROR)
+    for name in QUIET_LOGGERS:  # trips and skips are routine on corrupted streams: the report
+        logging.getLogger(name).setLevel(logging.NOTSET if args.verbose else logging.ERROR)
     spec = EvalSpec(
         model=args.model,
         dataset=args.dataset,

@@ -193,6 +193,25 @@ def test_eval_end_to_end(tmp_path, protocol, batch_size, methods):
     assert "| method |" in (out / "results.md").read_text()
 
 
+def test_eval_keeps_the_guards_routine_messages_for_verbose(caplog):
+    """Trips and verdicts are routine on a hostile stream and the report counts them: ``eval``
+    logs them only with ``-v`` (the ViT trips within 64 images of Gaussian noise 0.5)."""
+    from eva0_edge.cli import main
+
+    args = ["eval", "--model", str(SHIPPED[0]), "--protocol", "continual", "--corruptions",
+            "gauss-0.5,clean", "--batch-size", "1", "--limit", "150", "--methods", "eva0",
+            "--threads", "1", "-q"]
+
+    def guard_messages() -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if r.name == "eva0_edge.runtime.controller" and "health guard" in r.getMessage()]
+
+    assert main(args) == 0
+    assert guard_messages() == []
+    assert main(["-v", *args]) == 0
+    assert any("health guard tripped" in m for m in guard_messages())
+
+
 def test_eval_sweeps_batch_sizes_on_the_clean_domain(tmp_path):
     """``--batch-sizes`` gives one report with a row per method and batch size;
     ``--corruptions clean`` is the uncorrupted images (NoAdapt's accuracy is the same at every
