@@ -179,8 +179,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="ORT provider of the runtime methods (default cpu; tent stays in torch "
                    "on the CPU)")
     p.add_argument("--budgets", type=budget_list, help="comma-separated compute budgets "
-                   "(forwards per sample): a row 'METHOD budget F' per adapting EVA-0-family "
-                   "method, its settled schedule's mean time and measured forwards per sample")
+                   "(forwards per sample): a row 'METHOD budget F' per adapting runtime method "
+                   "(at most its own forwards), its settled schedule's mean time and measured "
+                   "forwards per sample")
     p.add_argument("--out", help="folder for cost.md / cost.json / cost.png")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-batch lines")
     p.set_defaults(func=_cmd_bench)

@@ -21,7 +21,7 @@ Methods (all on the same batch of random normalised pixels):
 The health guard is off in every runtime step timed here: on random pixels it trips at once
 and the steps after it would be its pause, not the method's step.
 
-``--budgets F,...`` adds a row ``METHOD budget F`` per adapting EVA-0-family method and budget:
+``--budgets F,...`` adds a row ``METHOD budget F`` per adapting runtime method and budget:
 the controller with that compute budget (:mod:`eva0_edge.runtime.budget`) in its settled
 schedule (the steady state on a stream the model has learnt: a batch adapted on whenever the
 bucket is full, the others served with one forward). Its time is the *mean* over the
@@ -51,7 +51,7 @@ import numpy as np
 from eva0_edge.runtime.methods import RUNTIME_METHODS, base_name, is_prompt_method, load_method
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.progress import progress_bar
-from eva0_edge.runtime.registry import spec_of
+from eva0_edge.runtime.registry import parse_method, spec_of
 
 from .machine import environment
 from .output import machine_line, pyplot, save_figure
@@ -91,22 +91,27 @@ def check_cost_method(name: str) -> None:
 
 
 def budgeted(method: str) -> bool:
-    """Whether ``method`` (a cost method) takes a compute budget: an adapting method of the
-    EVA-0-family engine."""
-    if method == "tent":
-        return False
-    spec = spec_of(base_name(session_mode(method)[0]))
-    return spec.kind == "engine" and spec.adapts
+    """Whether ``method`` (a cost method) takes a compute budget: an adapting runtime method
+    (the EVA-0 family, FOA)."""
+    return method != "tent" and spec_of(base_name(session_mode(method)[0])).adapts
+
+
+def own_forwards(method: str) -> int:
+    """The forwards per sample of runtime method ``method`` at full rate (``@FP`` or its
+    registry default)."""
+    name = session_mode(method)[0]
+    return parse_method(name)[1].get("forwards", spec_of(name).forwards_per_sample)
 
 
 def cost_cases(
     methods: Sequence[str], budgets: Sequence[float]
 ) -> list[tuple[str, str, float | None]]:
     """(row name, method, budget) for every method, then ``METHOD budget F`` for every
-    budgeted method and budget."""
+    budgeted method and every budget up to its own forwards per sample."""
     cases: list[tuple[str, str, float | None]] = [(m, m, None) for m in methods]
     for budget in budgets:
-        cases += [(f"{m} budget {budget:g}", m, budget) for m in methods if budgeted(m)]
+        cases += [(f"{m} budget {budget:g}", m, budget) for m in methods
+                  if budgeted(m) and budget <= own_forwards(m)]
     return cases
 
 

@@ -1,6 +1,8 @@
 """What happens to a batch: the policy around the EVA-0-family engine (NumPy only).
 
-:meth:`StepController.step` decides, per batch x [B, C, H, W], in this order:
+:meth:`StepController.step` decides, per batch x [B, C, H, W], in this order (for the EVA-0
+family and, without a guard, FOA: :class:`~.foa.FOAModel` has the same ``serve`` / ``adapt`` /
+``predict``):
 
 1. **a method that does not adapt** (NoAdapt, noadapt-shift): one forward at theta, served
    (the activation shift learns from it unless frozen);
@@ -40,17 +42,18 @@ from .inputwatch import InputChangeDetector
 
 if TYPE_CHECKING:
     from .engine import AdaptiveModel
+    from .foa import FOAModel
 
 log = logging.getLogger(__name__)
 
 
 class StepController:
-    """The guard, the budget and the input change detector of one :class:`AdaptiveModel`,
-    and the order in which they act on a batch (see the module's docstring). ``guard`` and
-    ``budget`` are None when off. A new controller starts their windows afresh (reset, a state
-    installed)."""
+    """The guard, the budget and the input change detector of one :class:`AdaptiveModel` (or
+    :class:`~.foa.FOAModel`: no guard), and the order in which they act on a batch (see the
+    module's docstring). ``guard`` and ``budget`` are None when off. A new controller starts
+    their windows afresh (reset, a state installed)."""
 
-    def __init__(self, model: AdaptiveModel) -> None:
+    def __init__(self, model: AdaptiveModel | FOAModel) -> None:
         self.model = model
         self.guard = self._new_guard()
         self.budget = self._new_budget()
@@ -59,7 +62,8 @@ class StepController:
     def _new_guard(self) -> HealthGuard | None:
         m = self.model
         cfg = m.config
-        if not (cfg.guard and m.spec.adapts):
+        # FOA has none: the bounds are calibrated on adapted norm parameters' drift and alignment
+        if m.spec.kind == "foa" or not (cfg.guard and m.spec.adapts):
             return None
         bounds = GuardBounds(**{
             name: getattr(cfg, f"guard_{name}") for name in GuardBounds.__dataclass_fields__

@@ -15,6 +15,13 @@ Per batch x [B, C, H, W] on a prompt model (``eva0-edge export --prompts T``):
    ``shift_alpha``) of the test-time mean head input over the candidates.
 
 ``foa-dagger`` is FOA with lambda = 0 and no shifting: entropy only, no source statistics.
+
+What happens to a batch is decided by the :class:`~.controller.StepController`, as for the
+EVA-0 family: with a compute budget (``budget``, forwards per sample, 1 to K) a batch the budget
+does not pay for is served under the best prompt so far with one forward per sample, its head
+inputs entering the shifting's EMA (:meth:`FOAModel.serve`); the others get the K-candidate
+step above (:meth:`FOAModel.adapt`). FOA has no health guard: the guard's bounds are calibrated
+on the drift and alignment of adapted norm parameters, and a prompt's would need their own.
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ from typing import Any
 
 import numpy as np
 
+from .budget import ComputeBudget
 from .config import replaced
+from .controller import StepController
 from .losses import softmax_entropy
 from .metadata import ModelMetadata
 from .monitoring import Health, StepStats
@@ -60,6 +69,8 @@ class FOAConfig:
     lambda_fit: weight of the feature-statistics term of the fitness. shift: activation
     shifting on/off; shift_step: its step size; shift_alpha: EMA weight of the new batch in the
     test-time head-input mean. sigma0: CMA-ES initial step size (the search starts at 0).
+    budget: average forwards per sample (1 <= budget <= forwards; None: the K-candidate step on
+    every batch), see :mod:`.budget`.
     """
 
     forwards: int = FOA_FORWARDS
@@ -68,6 +79,7 @@ class FOAConfig:
     shift_step: float = 1.0
     shift_alpha: float = 0.1
     sigma0: float = 1.0
+    budget: float | None = None
 
     def updated(self, values: dict[str, Any]) -> FOAConfig:
         """A copy with ``values`` applied; ValueError naming any unknown key."""
@@ -79,9 +91,20 @@ FOA_METHODS: dict[str, dict[str, Any]] = {
 }
 
 
+@dataclass
+class FOAState:
+    """What the step controller reads and writes of FOA's state: ``frozen``, and the guard's
+    ``pause_left`` (always 0: FOA has no guard). The search itself (the CMA-ES object, the best
+    prompt, the shifting's EMA) lives on :class:`FOAModel`."""
+
+    frozen: bool = False
+    pause_left: int = 0
+
+
 class FOAModel:
     """FOA or FOA-dagger over a prompt model; the stream interface of :class:`AdaptiveModel`
-    (``step``, ``predict``, ``reset``, ``stats``).
+    (``step``, ``predict``, ``reset``, ``stats``), its batches decided by a
+    :class:`~.controller.StepController` (the compute budget; no guard).
 
     >>> model = FOAModel.load("vit_prompt.onnx", "foa", seed=0)
     >>> logits = model.step(x)  # [B, K]; K forwards per sample
@@ -111,6 +134,14 @@ class FOAModel:
         )
         if self.config.forwards < 2:
             raise ValueError(f"{base}: #FP (forwards) must be >= 2, got {self.config.forwards}")
+        budget = self.config.budget
+        if budget is not None and not 1 <= budget <= self.config.forwards:
+            raise ValueError(f"{base}: budget must be between 1 and the method's "
+                             f"{self.config.forwards} forwards per sample (None: "
+                             f"{self.config.forwards}), got {budget}")
+        self.spec = REGISTRY[base]
+        self.shift = None  # FOA's activation shifting is its own EMA (head_shift), no window
+        self.asynchronous = False  # the asynchronous server adapts EVA-0-family methods only
         needs_source = self.config.lambda_fit > 0 or self.config.shift
         if needs_source and not metadata.has_source_stats:
             raise ValueError(
@@ -167,12 +198,22 @@ class FOAModel:
         self.best_fitness = float("nan")
         self.test_mean: np.ndarray | None = None
         self.steps = 0
-        self.frozen = False
+        self.state = FOAState()
+        self.control = StepController(self)
         self.last = StepStats()
+
+    @property
+    def frozen(self) -> bool:
+        return self.state.frozen
+
+    @property
+    def budget(self) -> ComputeBudget | None:
+        """The compute budget (None: the K-candidate step on every batch)."""
+        return self.control.budget
 
     def freeze(self, frozen: bool = True) -> None:
         """Predict with the best prompt so far and stop searching (``frozen``), or resume."""
-        self.frozen = bool(frozen)
+        self.state.frozen = bool(frozen)
 
     def health(self) -> Health:
         """The counters a server exports; FOA has no guard and clips nothing."""
@@ -195,24 +236,46 @@ class FOAModel:
             "mean_entropy": self.last.entropy,
             "mean_logit_norm": self.last.logit_norm,
             "frozen": self.frozen,
+            "budget": None if self.budget is None else {
+                "forwards_per_sample": self.budget.budget,
+                "fill": self.budget.fill,
+                "adapted_samples": self.budget.adapted_samples,
+                "served_samples": self.budget.served_samples,
+            },
         }
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         """Logits [B, K] under the best prompt so far (shifted as the last step would), one
         forward per sample, no adaptation."""
-        x = self.session.check_input(x)
+        return self._run_best(self.session.check_input(x))[0]
+
+    def serve(self, x: np.ndarray) -> tuple[np.ndarray, bool]:
+        """A batch the controller serves without the search (the compute budget said wait):
+        :meth:`predict` on the checked batch x [B, C, H, W], its head inputs then entering the
+        shifting's EMA as a step's candidates do. Returns the logits [B, K] and False (no
+        change detector of its own)."""
+        logits, features = self._run_best(x)
+        self._observe_head_inputs(features[None].astype(np.float64))
+        return logits, False
+
+    def _run_best(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The shifted logits [B, K] (owned) and the features [B, F] under the best prompt."""
         prompts = np.broadcast_to(self.best_prompt, (x.shape[0], self.best_prompt.size))
-        _, _, shifted = self.session.run_shifted(x, prompts, self.head_shift())
+        _, features, shifted = self.session.run_shifted(x, prompts, self.head_shift())
         self.session.counter.samples += x.shape[0]
         self.last = StepStats.of(shifted)
-        return self.session.owned(shifted)
+        return self.session.owned(shifted), features
 
     def step(self, x: np.ndarray) -> np.ndarray:
-        """Evaluate K candidate prompts on the batch, update CMA-ES, return the best
-        candidate's (activation-shifted) logits [B, K]; frozen: :meth:`predict`."""
-        if self.frozen:
-            return self.predict(x)
-        x = self.session.check_input(x)
+        """The controller's decision on the batch x [B, C, H, W]: the K-candidate step
+        (:meth:`adapt`), or, frozen or when the compute budget says wait, one forward under the
+        best prompt. Returns the (activation-shifted) logits [B, K]."""
+        return self.control.step(x)
+
+    def adapt(self, x: np.ndarray) -> tuple[np.ndarray, bool, np.ndarray]:
+        """Evaluate K candidate prompts on the checked batch x, update CMA-ES; the best
+        candidate's (activation-shifted) logits [B, K] are served. Returns them, False (no
+        change detector) and them again (the prediction)."""
         batch = x.shape[0]
         if batch < SMALL_BATCH and not self.warned_small_batch:
             self.warned_small_batch = True
@@ -232,16 +295,21 @@ class FOAModel:
         self.es.tell(candidates, fitness.tolist())
         best = int(np.argmin(fitness))
         self.best_prompt, self.best_fitness = candidates[best], float(fitness[best])
-        if self.config.shift:
-            batch_mean = features[:, :, self.head_features].mean(axis=(0, 1))
-            a = self.config.shift_alpha
-            self.test_mean = (
-                batch_mean if self.test_mean is None else (1 - a) * self.test_mean + a * batch_mean
-            )
+        self._observe_head_inputs(features)
         self.steps += 1
         prediction = self.session.owned(shifted.reshape(count, batch, -1)[best])
         self.last = StepStats.of(prediction)
-        return prediction
+        return prediction, False, prediction
+
+    def _observe_head_inputs(self, features: np.ndarray) -> None:
+        """The shifting's EMA takes the mean head input of ``features`` [candidates, B, F]."""
+        if not self.config.shift:
+            return
+        batch_mean = features[:, :, self.head_features].mean(axis=(0, 1))
+        a = self.config.shift_alpha
+        self.test_mean = (
+            batch_mean if self.test_mean is None else (1 - a) * self.test_mean + a * batch_mean
+        )
 
     def fitness(self, logits: np.ndarray, features: np.ndarray) -> np.ndarray:
         """FOA's fitness per candidate. logits [K, B, classes], features [K, B, F] -> [K]."""

@@ -56,6 +56,14 @@ def test_bench_budget_rows_measure_their_forwards(calibrated_vit, tmp_path):
     assert "| eva0 budget 1.5 | 2 |" in (tmp_path / "cost.md").read_text()
 
 
+def test_budget_rows_go_up_to_each_methods_own_forwards():
+    from eva0_edge.bench.cost import cost_cases
+
+    names = [name for name, _, _ in cost_cases(["noadapt", "eva0", "foa@5", "tent"], [1.5, 4])]
+    assert names == ["noadapt", "eva0", "foa@5", "tent", "eva0 budget 1.5", "foa@5 budget 1.5",
+                     "foa@5 budget 4"]
+
+
 def test_bench_refuses_a_budget_below_one_forward(small_vit, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--model", str(small_vit.onnx_path), "--budgets", "1.5,0.5"])

@@ -266,3 +266,45 @@ def test_export_cli_prompt_mode_and_info(tmp_path, capsys):
     assert main(["serve", "--model", str(out), "--method", "foa-dagger", "--state-dir",
                  str(tmp_path / "state")]) == 2
     assert "not persisted" in capsys.readouterr().err
+
+
+def test_foa_under_a_budget_adapts_on_its_share_of_batches(prompt_vit):
+    """foa@5 at budget 2 in the controller's settled schedule: a search (5 forwards) on a
+    quarter of the batches, one forward on the rest, 2 forwards per sample on the counter;
+    the served batches move the shifting's EMA, not the search."""
+    model = FOAModel.load(prompt_vit.onnx_path, "foa@5", {"budget": 2.0}, provider="cpu")
+    model.budget.dense = False  # a stream already learnt: search whenever the bucket is full
+    for i in range(40):
+        model.step(batch(8, seed=i % 2))
+    assert model.session.counter.per_sample == pytest.approx(2.0)
+    assert model.steps == 10
+    stats = model.stats()["budget"]
+    assert (stats["adapted_samples"], stats["served_samples"]) == (80, 240)
+
+
+def test_foa_at_budget_one_serves_the_initial_prompt_with_its_shifting(prompt_vit):
+    """Budget 1: no search, one forward per sample under the initial prompt, and the head
+    inputs of every served batch enter the EMA (FOA's activation shift alone)."""
+    from eva0_edge.runtime.session import AdaptableSession
+
+    model = FOAModel.load(prompt_vit.onnx_path, "foa", {"budget": 1.0}, provider="cpu")
+    reference = AdaptableSession(prompt_vit.onnx_path, None, "cpu")
+    theta0, a = model.metadata.theta0, model.config.shift_alpha
+    prompts = np.broadcast_to(theta0, (8, theta0.size))
+    ema = None
+    for i in range(3):
+        x = batch(8, seed=i)
+        shift = model.head_shift()
+        logits = model.step(x)
+        _, features, shifted = reference.run_shifted(x, prompts, shift)
+        np.testing.assert_allclose(logits, shifted, atol=1e-4)
+        head = features[:, model.head_features].astype(np.float64).mean(axis=0)
+        ema = head if ema is None else (1 - a) * ema + a * head
+        np.testing.assert_allclose(model.test_mean, ema, rtol=1e-5, atol=1e-7)
+    assert model.steps == 0 and model.session.counter.per_sample == 1.0
+    np.testing.assert_array_equal(model.best_prompt, theta0)
+
+
+def test_foa_budget_out_of_range_is_refused(prompt_vit):
+    with pytest.raises(ValueError, match="budget must be between 1 and the method's 28"):
+        FOAModel.load(prompt_vit.onnx_path, "foa", {"budget": 29.0}, provider="cpu")
