@@ -101,21 +101,31 @@ hostile: setup data
 
 # What a compute budget buys: the continual stream (severity 5) on both shipped models at B = 1
 # and 64, NoAdapt / noadapt-shift / EVA-0 at full cost and EVA-0 at each of BUDGETS; the table
-# and the Pareto plot of accuracy against the measured forwards per sample.
+# and the Pareto plot of accuracy against the measured forwards per sample. BUDGET_METHOD=foa
+# puts FOA under the budgets (add foa to BUDGET_REFERENCE), BUDGET_PROTOCOL=soak the stream ten
+# times over.
 BUDGETS ?= 1.5 1.25
 BUDGET_LIMIT ?= 300
 BUDGET_BATCHES ?= 1,64
+BUDGET_METHOD ?= eva0
+BUDGET_REFERENCE ?= noadapt,noadapt-shift,eva0
+BUDGET_PROTOCOL ?= continual
+BUDGET_MODELS ?= vit_fmnist resnet_gn_fmnist
+BUDGET_OUT ?= out/budget
+BUDGET_SEED ?= 0
 budget: setup data
-	for m in vit_fmnist resnet_gn_fmnist; do \
-		$(VENV)/bin/eva0-edge eval --model models/$$m.onnx --protocol continual --severity 5 \
-			--limit $(BUDGET_LIMIT) --batch-sizes $(BUDGET_BATCHES) --methods noadapt,noadapt-shift,eva0 \
-			--threads 1 --out out/budget/$$m-full -q; \
+	for m in $(BUDGET_MODELS); do \
+		$(VENV)/bin/eva0-edge eval --model models/$$m.onnx --protocol $(BUDGET_PROTOCOL) \
+			--severity 5 --limit $(BUDGET_LIMIT) --batch-sizes $(BUDGET_BATCHES) \
+			--methods $(BUDGET_REFERENCE) --seed $(BUDGET_SEED) --threads 1 \
+			--out $(BUDGET_OUT)/$$m-full -q; \
 		for f in $(BUDGETS); do \
-			$(VENV)/bin/eva0-edge eval --model models/$$m.onnx --protocol continual --severity 5 \
-				--limit $(BUDGET_LIMIT) --batch-sizes $(BUDGET_BATCHES) --methods eva0 --budget $$f \
-				--threads 1 --out out/budget/$$m-$$f -q; \
+			$(VENV)/bin/eva0-edge eval --model models/$$m.onnx --protocol $(BUDGET_PROTOCOL) \
+				--severity 5 --limit $(BUDGET_LIMIT) --batch-sizes $(BUDGET_BATCHES) \
+				--methods $(BUDGET_METHOD) --budget $$f --seed $(BUDGET_SEED) --threads 1 \
+				--out $(BUDGET_OUT)/$$m-$$f -q; \
 		done; done
-	$(PY) -m eva0_edge.bench.budget_summary out/budget
+	$(PY) -m eva0_edge.bench.budget_summary $(BUDGET_OUT)
 
 # Where to adapt: the cost of adapting fewer layers (random weights; ResNet50-GN: the last
 # stage, the last two, the default stages 1-3, every GroupNorm; ViT-B: the last four blocks, the
