@@ -136,8 +136,8 @@ def test_adapt_runs_without_torch(calibrated_vit, image_folder, tmp_path):
 
 
 def test_adapt_streams_foa_over_a_prompt_model(prompt_vit, tmp_path, capsys):
-    """FOA (here with 5 candidates) runs in adapt like the EVA-0 family; its CMA-ES state is
-    not persisted, so --state is refused before any work."""
+    """FOA (here with 5 candidates) runs in adapt like the EVA-0 family, --budget included; its
+    CMA-ES state is not persisted, so --state is refused before any work."""
     rng = np.random.default_rng(2)
     np.savez(tmp_path / "s.npz", x=rng.integers(0, 256, (6, 32, 32, 3), dtype=np.uint8),
              y=rng.integers(0, 10, 6))
@@ -147,6 +147,8 @@ def test_adapt_streams_foa_over_a_prompt_model(prompt_vit, tmp_path, capsys):
     assert main(base) == 0
     assert len(out.read_text().splitlines()) == 6
     assert "foa@5: 6 samples, 2 steps" in capsys.readouterr().out
+    assert main([*base, "--budget", "1"]) == 0  # the compute budget: no search at all
+    assert "foa@5: 6 samples, 0 steps (0 skipped), 1.00 forwards/sample" in capsys.readouterr().out
     assert main([*base, "--state", str(tmp_path / "foa.npz")]) == 2
     assert "CMA-ES" in capsys.readouterr().err
     assert not (tmp_path / "foa.npz").exists()
