@@ -59,11 +59,23 @@ class StepController:
         self.budget = self._new_budget()
         self.inputs = InputChangeDetector()
 
+    def _engine(self) -> AdaptiveModel:
+        """The model as the EVA-0-family engine: what the health guard, its duels and the
+        asynchronous server act on. FOA has none of them (its bounds would have to be
+        calibrated on prompts), so these paths never reach it."""
+        from .engine import AdaptiveModel
+
+        if not isinstance(self.model, AdaptiveModel):
+            raise TypeError(f"{self.model.method}: the health guard and asynchronous "
+                            "adaptation need an EVA-0-family method")
+        return self.model
+
     def _new_guard(self) -> HealthGuard | None:
-        m = self.model
+        if self.model.spec.kind == "foa" or not self.model.spec.adapts:
+            return None
+        m = self._engine()
         cfg = m.config
-        # FOA has none: the bounds are calibrated on adapted norm parameters' drift and alignment
-        if m.spec.kind == "foa" or not (cfg.guard and m.spec.adapts):
+        if not cfg.guard:
             return None
         bounds = GuardBounds(**{
             name: getattr(cfg, f"guard_{name}") for name in GuardBounds.__dataclass_fields__
@@ -100,7 +112,7 @@ class StepController:
         and the budget's credit pays for it, then the guard watches the step's prediction.
         Nothing is served; the input and shift change detectors saw x when it was served.
         Returns whether the step ran."""
-        m = self.model
+        m = self._engine()
         if not m.spec.adapts or m.state.frozen or m.state.pause_left > 0:
             return False
         if self.budget is not None and not self.budget.spend(x.shape[0]):
@@ -149,12 +161,12 @@ class StepController:
         detector) the budget spends densely, and an audit asks whether what was learnt is
         still better than theta0 there (frost-adapted ViT on clean images: 63% of the first
         100); the guard's periodic audit otherwise when due."""
-        m = self.model
         if stream_changed and self.budget is not None:
             self.budget.changed()
         guard = self.guard
-        if guard is None or m.state.pause_left:
+        if guard is None or self.model.state.pause_left:
             return
+        m = self._engine()
         now = stream_changed and m.config.guard_change_audit and \
             not np.array_equal(m.state.theta, m.metadata.theta0)
         if not self._affords_duel(guard.warmup):
@@ -174,7 +186,8 @@ class StepController:
         side every duel falls back to (served with one forward per sample)."""
         log.info("compute budget: %s cannot be paid for (credit %.0f forwards); theta0 serves",
                  what, self.budget.credit if self.budget is not None else 0.0)
-        self.model.roll_back(self.model.metadata.theta0)
+        m = self._engine()
+        m.roll_back(m.metadata.theta0)
 
     def _inputs_changed(self, x: np.ndarray) -> bool:
         """Feed the input change detector (with the guard or the budget on) the images x
@@ -190,7 +203,7 @@ class StepController:
     # ----------------------------------------------------------------- the health guard
     def _watch(self, guard: HealthGuard, prediction: np.ndarray) -> None:
         """Feed the health guard; checkpoint when healthy, roll back when it trips."""
-        m = self.model
+        m = self._engine()
         reason, checkpoint = guard.observe(prediction, m.drift(), m.alignment())
         st = m.state
         if checkpoint:
@@ -218,7 +231,7 @@ class StepController:
         """One batch of the guard's pause: the candidate theta and theta0 in one ORT call (one
         forward per sample when the candidate is theta0), theta0's logits [B, K] served; at
         the end of the pause, the guard's verdict picks where adaptation resumes."""
-        m = self.model
+        m = self._engine()
         x = m.session.check_input(x)
         inputs_changed = self._inputs_changed(x)
         st, batch = m.state, x.shape[0]
@@ -242,7 +255,7 @@ class StepController:
         return served
 
     def _end_pause(self, guard: HealthGuard, dueled: bool) -> None:
-        m = self.model
+        m = self._engine()
         st, cfg = m.state, m.config
         at_change = guard.auditing and not guard.serving_candidate
         what = "audit" if guard.auditing else "pause"
