@@ -130,7 +130,7 @@ class StepController:
         if not m.spec.adapts:
             if m.shift is None or st.frozen:
                 return m.predict(x)
-            return m.serve(x)[0]
+            return m.serve(m.session.check_input(x))[0]
         if st.pause_left > 0 and not st.frozen and self.guard is not None:
             return self._paused_step(self.guard, x)
         if st.frozen or st.pause_left > 0:

@@ -392,12 +392,12 @@ class AdaptiveModel:
     # ----------------------------------------------------------------- inference
     def predict(self, x: np.ndarray) -> np.ndarray:
         """Logits [B, K] under the current theta, one forward per sample, no adaptation."""
-        logits, _ = self._forward(x)
+        logits, _ = self._forward(self.session.check_input(x))
         return self._serve(logits)
 
     def _forward(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(logits [B, K], features [B, F]) under the current theta, one forward per sample."""
-        x = self.session.check_input(x)
+        """(logits [B, K], features [B, F]) under the current theta on the checked batch x,
+        one forward per sample."""
         theta = np.broadcast_to(self.state.theta, (x.shape[0], self.state.theta.size))
         logits, features = self.session.run(x, theta)
         self.session.counter.samples += x.shape[0]
@@ -410,9 +410,9 @@ class AdaptiveModel:
         return self.control.step(x)
 
     def serve(self, x: np.ndarray) -> tuple[np.ndarray, bool]:
-        """One forward at the current theta on the batch x [B, C, H, W], served: logits
-        [B, K] (the activation shift learns from the batch), and whether the shift's change
-        detector saw a new stream in it."""
+        """One forward at the current theta on the checked batch x [B, C, H, W]
+        (``session.check_input``), served: logits [B, K] (the activation shift learns from the
+        batch), and whether the shift's change detector saw a new stream in it."""
         logits, features = self._forward(x)
         return self.serve_outputs(logits, features)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -257,8 +259,12 @@ def test_reset_restores_source(calibrated_vit):
         ([[0.0]], "numpy array"),
     ],
 )
-def test_bad_input_is_refused_before_any_state_change(calibrated_vit, bad, match):
-    model = AdaptiveModel.load(calibrated_vit, "eva0", {"eta": 0.05}, provider="cpu")
+@pytest.mark.parametrize("method, config", [("eva0", {"eta": 0.05}), ("eva0", {"budget": 1.0})],
+                         ids=["step", "served"])
+def test_bad_input_is_refused_before_any_state_change(calibrated_vit, bad, match, method,
+                                                       config):
+    """On the method's step and on a batch the budget serves: refused, nothing learnt."""
+    model = AdaptiveModel.load(calibrated_vit, method, config, provider="cpu")
     model.step(uniform_batch(4))
     before = model.state_dict()
     with pytest.raises(InputError, match=match):
@@ -266,6 +272,22 @@ def test_bad_input_is_refused_before_any_state_change(calibrated_vit, bad, match
     after = model.state_dict()
     for key, value in before.items():
         np.testing.assert_array_equal(after[key], value)
+
+
+@pytest.mark.parametrize("value, match", [(np.nan, "NaN"), (255.0, "range")])
+def test_bad_input_to_the_shift_alone_is_refused_before_it_learns(value, match):
+    """noadapt-shift (serving only, its activation shift learning) refuses a bad batch before
+    the shift's window sees it."""
+    path = Path(__file__).resolve().parents[1] / "models" / "resnet_gn_fmnist.onnx"
+    model = AdaptiveModel.load(path, "noadapt-shift", threads=1)
+    assert model.shift is not None
+    model.step(np.zeros((4, *model.metadata.preprocessing.input_size), np.float32))
+    before = model.state_dict()
+    bad = np.full((2, *model.metadata.preprocessing.input_size), value, np.float32)
+    with pytest.raises(InputError, match=match):
+        model.step(bad)
+    for key, value_before in before.items():
+        np.testing.assert_array_equal(model.state_dict()[key], value_before)
 
 
 def test_non_finite_update_is_skipped_and_counted(calibrated_vit, monkeypatch):
