@@ -32,6 +32,14 @@ from __future__ import annotations
 BURST_SAMPLES = 1024
 
 
+def check_budget(method: str, budget: float | None, forwards: int) -> None:
+    """ValueError unless ``budget`` (forwards per sample; None: adapt on every batch) is
+    between 1 and ``method``'s own ``forwards``."""
+    if budget is not None and not 1 <= budget <= forwards:
+        raise ValueError(f"{method}: budget must be between 1 and the method's {forwards} "
+                         f"forwards per sample (None: {forwards}), got {budget}")
+
+
 class ComputeBudget:
     """The bucket for ``budget`` forwards per sample of a method with ``forwards`` per adapted
     sample (``asynchronous``: adapted apart from the served forward, see ``extra``).
@@ -51,6 +59,12 @@ class ComputeBudget:
         self.dense = True
         self.adapted_samples = 0
         self.served_samples = 0
+
+    def summary(self) -> dict[str, float | int]:
+        """What ``stats()["budget"]`` reports: the budget, the bucket's fill and the samples
+        adapted on and served only."""
+        return {"forwards_per_sample": self.budget, "fill": self.fill,
+                "adapted_samples": self.adapted_samples, "served_samples": self.served_samples}
 
     @property
     def fill(self) -> float:

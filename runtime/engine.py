@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from .budget import ComputeBudget
+from .budget import ComputeBudget, check_budget
 from .config import AdaptConfig
 from .controller import StepController
 from .estimator import GradientEstimate, Objective, ZerothOrderEstimator
@@ -206,9 +206,7 @@ class AdaptiveModel:
                 f"{self.method}: #FP (forwards) must be an even number >= 2 "
                 f"(exactly 2 for one-sided methods), got {fp}"
             )
-        if config.budget is not None and not 1 <= config.budget <= fp:
-            raise ValueError(f"{self.method}: budget must be between 1 and the method's {fp} "
-                             f"forwards per sample (None: {fp}), got {config.budget}")
+        check_budget(self.method, config.budget, fp)
         return config
 
     # ----------------------------------------------------------------- state
@@ -351,12 +349,7 @@ class AdaptiveModel:
                 "stream_changes": self.shift.changes,
                 "logit_offset_norm": float(np.linalg.norm(self._logit_offset())),
             },
-            "budget": None if self.budget is None else {
-                "forwards_per_sample": self.budget.budget,
-                "fill": self.budget.fill,
-                "adapted_samples": self.budget.adapted_samples,
-                "served_samples": self.budget.served_samples,
-            },
+            "budget": None if self.budget is None else self.budget.summary(),
             "guard": None if self.guard is None else {
                 "trips": self.state.guard_trips,
                 "last_reason": self.guard.last_reason,

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from .budget import ComputeBudget
+from .budget import ComputeBudget, check_budget
 from .config import replaced
 from .controller import StepController
 from .losses import softmax_entropy
@@ -134,11 +134,7 @@ class FOAModel:
         )
         if self.config.forwards < 2:
             raise ValueError(f"{base}: #FP (forwards) must be >= 2, got {self.config.forwards}")
-        budget = self.config.budget
-        if budget is not None and not 1 <= budget <= self.config.forwards:
-            raise ValueError(f"{base}: budget must be between 1 and the method's "
-                             f"{self.config.forwards} forwards per sample (None: "
-                             f"{self.config.forwards}), got {budget}")
+        check_budget(base, self.config.budget, self.config.forwards)
         self.spec = REGISTRY[base]
         self.shift = None  # FOA's activation shifting is its own EMA (head_shift), no window
         self.asynchronous = False  # the asynchronous server adapts EVA-0-family methods only
@@ -236,12 +232,7 @@ class FOAModel:
             "mean_entropy": self.last.entropy,
             "mean_logit_norm": self.last.logit_norm,
             "frozen": self.frozen,
-            "budget": None if self.budget is None else {
-                "forwards_per_sample": self.budget.budget,
-                "fill": self.budget.fill,
-                "adapted_samples": self.budget.adapted_samples,
-                "served_samples": self.budget.served_samples,
-            },
+            "budget": None if self.budget is None else self.budget.summary(),
         }
 
     def predict(self, x: np.ndarray) -> np.ndarray:
