@@ -53,14 +53,17 @@ def describe(x: np.ndarray) -> np.ndarray:
     """The descriptors [B, 3] (float64, in :data:`DESCRIPTORS` order) of images x [B, C, H, W],
     from the rows of stride ``ceil(min(H, W) / GRID)`` (see the module's docstring)."""
     x = np.asarray(x, dtype=np.float32)
-    stride = max(1, -(-min(x.shape[2], x.shape[3]) // GRID))
-    axes = (1, 2, 3)
-    grid = np.ascontiguousarray(x[:, :, ::stride, ::stride])
-    mean = grid.mean(axis=axes, dtype=np.float64)
-    variance = grid.var(axis=axes, dtype=np.float64)
+    batch, _, height, width = x.shape
+    stride = max(1, -(-min(height, width) // GRID))
     rows, below = x[:, :, ::stride, :], x[:, :, 1::stride, :]  # kept rows, the rows under them
-    edges = (np.diff(rows, axis=3) ** 2).mean(axis=axes, dtype=np.float64) + \
-        ((below - rows[:, :, : below.shape[2]]) ** 2).mean(axis=axes, dtype=np.float64)
+    grid = rows[:, :, :, ::stride].reshape(batch, -1)
+    mean = np.add.reduce(grid, axis=1, dtype=np.float64) / grid.shape[1]
+    centred = grid - mean[:, None]
+    variance = np.add.reduce(centred * centred, axis=1) / grid.shape[1]
+    across = np.square(rows[..., 1:] - rows[..., :-1]).reshape(batch, -1)
+    down = np.square(below - rows[:, :, : below.shape[2]]).reshape(batch, -1)
+    edges = np.add.reduce(across, axis=1, dtype=np.float64) / across.shape[1] + \
+        np.add.reduce(down, axis=1, dtype=np.float64) / down.shape[1]
     return np.stack([mean, np.log(variance + _EPS), np.log((edges + _EPS) / (variance + _EPS))],
                     axis=1)
 

@@ -3,7 +3,8 @@ step's numbers (:class:`StepStats`) and the health counters a server exports (:c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -13,21 +14,31 @@ from .losses import softmax_entropy
 @dataclass
 class StepStats:
     """What the last step saw: mean prediction entropy (nats), mean logit norm, skipped, and how
-    many of its perturbations were anchor-guided."""
+    many of its perturbations were anchor-guided. The entropy and the norm are computed from
+    the step's logits when first read (a server reads them far less often than it serves)."""
 
-    entropy: float = float("nan")
-    logit_norm: float = float("nan")
+    logits: np.ndarray | None = field(default=None, repr=False)
     skipped: bool = False
     anchor_rows: int = 0
 
     @classmethod
     def of(cls, logits: np.ndarray) -> StepStats:
-        """The statistics of the logits [B, K] a step returned."""
-        p = logits.astype(np.float64)
-        return cls(
-            entropy=float(softmax_entropy(p).mean()),
-            logit_norm=float(np.linalg.norm(p, axis=1).mean()),
-        )
+        """The statistics of the logits [B, K] a step returned (a copy is kept)."""
+        return cls(logits=np.array(logits, dtype=np.float64))
+
+    @cached_property
+    def entropy(self) -> float:
+        """Mean entropy (nats) of softmax(logits) over the batch; NaN before any step."""
+        if self.logits is None:
+            return float("nan")
+        return float(softmax_entropy(self.logits).mean())
+
+    @cached_property
+    def logit_norm(self) -> float:
+        """Mean L2 norm of the logits over the batch; NaN before any step."""
+        if self.logits is None:
+            return float("nan")
+        return float(np.linalg.norm(self.logits, axis=1).mean())
 
 
 @dataclass(frozen=True)

@@ -99,8 +99,11 @@ def windowed_update(
     sample each: m <- a m + (1 - a) h_i on the raw EMA, divided by 1 - a^(n + B).
     """
     batch = samples.shape[0]
-    powers = factor ** np.arange(batch - 1, -1, -1, dtype=np.float64)
     keep = factor**batch
     new_weight = 1.0 - keep * (1.0 - weight)
-    raw = keep * weight * value + (1.0 - factor) * (powers @ samples)
+    if batch == 1:  # the same numbers without the powers (one image per request)
+        raw = keep * weight * value + (1.0 - factor) * samples[0].astype(np.float64)
+    else:
+        powers = factor ** np.arange(batch - 1, -1, -1, dtype=np.float64)
+        raw = keep * weight * value + (1.0 - factor) * (powers @ samples)
     return raw / new_weight, new_weight
