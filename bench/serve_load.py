@@ -5,7 +5,10 @@
 
 For every method a real server process starts on a free loopback port; at each concurrency,
 that many tritonclient.http clients (threads of this process) send ``--requests`` requests each
-of ``--batch`` preprocessed images, back to back, after ``--warmup`` untimed ones. Latency is
+of ``--batch`` preprocessed images, back to back, after ``--warmup`` untimed ones: one random
+image again and again, or with ``--stream CORRUPTION`` the Fashion-MNIST-C test images of that
+corruption at severity 5 in order (the shifted stream adaptation is for; the random image
+keeps the health guard in its pause). Latency is
 per request, client side (send to parsed response); throughput is images per second of wall
 time. ``--delays adaptive,fixed`` runs each method under both batching delays (the server's
 default, adaptive, and ``--fixed-delay``). A method named ``eva0+async`` is served with
@@ -38,12 +41,15 @@ import numpy as np
 import tritonclient.http as httpclient
 
 from eva0_edge.runtime.modelfile import read_metadata
+from eva0_edge.runtime.preprocess import preprocess_uint8
 
+from .datasets import TEST_SEED, corrupted_fmnist
 from .machine import environment
 from .output import machine_line, pyplot, save_figure, write_outputs
 from .workload import random_batch
 
 ASYNC = "+async"  # a method named eva0+async is served with --async-adapt
+RANDOM = "random"
 
 
 def _free_port() -> int:
@@ -104,19 +110,29 @@ class ServeProcess:
         self.log.close()
 
 
-def _load(url: str, name: str, x: np.ndarray, clients: int, requests: int, warmup: int):
-    def run(_: int) -> list[float]:
+def _load(url: str, name: str, images: np.ndarray, batch: int, clients: int, requests: int,
+          warmup: int):
+    """Every client sends ``warmup`` + ``requests`` batches of ``batch`` rows of ``images``
+    [N, C, H, W], the next rows each time (client i starts i x (warmup + requests) batches in,
+    wrapping around)."""
+    def run(client_index: int) -> list[float]:
         client = httpclient.InferenceServerClient(url)
-        tensor = httpclient.InferInput("pixel_values", list(x.shape), "FP32")
-        tensor.set_data_from_numpy(x)
         output = [httpclient.InferRequestedOutput("logits")]
+        first = client_index * (warmup + requests) * batch
+
+        def send(k: int) -> None:
+            rows = np.arange(first + k * batch, first + (k + 1) * batch) % images.shape[0]
+            tensor = httpclient.InferInput("pixel_values", [batch, *images.shape[1:]], "FP32")
+            tensor.set_data_from_numpy(images[rows])
+            client.infer(name, [tensor], outputs=output)
+
         try:
-            for _ in range(warmup):
-                client.infer(name, [tensor], outputs=output)
+            for k in range(warmup):
+                send(k)
             latencies = []
-            for _ in range(requests):
+            for k in range(warmup, warmup + requests):
                 start = time.perf_counter()
-                client.infer(name, [tensor], outputs=output)
+                send(k)
                 latencies.append(time.perf_counter() - start)
             return latencies
         finally:
@@ -128,10 +144,22 @@ def _load(url: str, name: str, x: np.ndarray, clients: int, requests: int, warmu
     return np.array(latencies), time.perf_counter() - start
 
 
+def stream_images(metadata, stream: str, batch: int) -> np.ndarray:
+    """The requests' rows [N, C, H, W]: ``random`` (one random image, ``batch`` rows, sent
+    again and again: what a random-weight export can be loaded with) or a Fashion-MNIST-C
+    corruption at severity 5 (the test split's images in order, preprocessed as the model
+    expects: the shifted stream the product adapts on)."""
+    if stream == RANDOM:
+        return random_batch(metadata, batch)
+    images, _ = corrupted_fmnist("test", stream, 5, TEST_SEED, progress=False)
+    return preprocess_uint8(images, metadata.preprocessing)
+
+
 def run_load(
     model: str, concurrency: list[int], methods: list[str], batch: int = 1, requests: int = 50,
     warmup: int = 3, threads: int | None = None, max_delay_ms: float = 10.0,
     delays: tuple[str, ...] = ("adaptive",), replicas: tuple[int, ...] = (0,),
+    stream: str = RANDOM,
 ) -> dict[str, Any]:
     """Run every method under every delay mode ('adaptive', 'fixed') on every server (0: the
     plain one, N: a fleet of N replicas) at every concurrency; returns the report dict (times in
@@ -140,7 +168,7 @@ def run_load(
     if unknown:
         raise ValueError(f"unknown delay mode(s) {sorted(unknown)}: use adaptive, fixed")
     metadata = read_metadata(model)
-    x = random_batch(metadata, batch)
+    images = stream_images(metadata, stream, batch)
     name = Path(model).stem
     env_start = environment()
     rows = []
@@ -151,7 +179,8 @@ def run_load(
         try:
             for clients in concurrency:
                 rows_before, steps_before = server.step_counts()
-                latencies, wall = _load(server.url, name, x, clients, requests, warmup)
+                latencies, wall = _load(server.url, name, images, batch, clients, requests,
+                                       warmup)
                 rows_after, steps_after = server.step_counts()
                 steps = steps_after - steps_before
                 rows.append({
@@ -172,7 +201,7 @@ def run_load(
             server.stop()
     return {
         "model": Path(model).name, "architecture": metadata.architecture,
-        "threads": threads or "ort default", "max_delay_ms": max_delay_ms,
+        "threads": threads or "ort default", "max_delay_ms": max_delay_ms, "stream": stream,
         "environment_start": env_start, "environment_end": environment(), "rows": rows,
     }
 
@@ -182,7 +211,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"## Serve load: {report['architecture']} ({report['model']})",
         "",
         f"{machine_line(report)} Server max delay {report['max_delay_ms']} ms; the clients run "
-        "on the same machine.",
+        f"on the same machine. Requests: {stream_line(report.get('stream', RANDOM))}.",
         "",
         "| method | delay | replicas | clients | batch | images/s | p50 ms | p99 ms "
         "| rows per step |",
@@ -197,6 +226,12 @@ def markdown(report: dict[str, Any]) -> str:
             f"{r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {per_step} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def stream_line(stream: str) -> str:
+    if stream == RANDOM:
+        return "one random image, sent again and again"
+    return f"the {stream} severity-5 test images in order, each client its own run of them"
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -236,6 +271,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="batching delay modes, comma-separated: adaptive, fixed")
     parser.add_argument("--replicas", default="0", help="servers, comma-separated: 0 = the "
                         "plain server, N = a Ray Serve fleet of N replicas")
+    parser.add_argument("--stream", default=RANDOM, help="what the requests carry: 'random' (one "
+                        "random image) or a Fashion-MNIST-C corruption (severity 5 test images "
+                        "in order; for the shipped Fashion-MNIST models)")
     parser.add_argument("--out", help="folder for serve_load.md / .json / .png")
     args = parser.parse_args(argv)
     report = run_load(
@@ -243,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         [m.strip() for m in args.methods.split(",") if m.strip()], args.batch, args.requests,
         args.warmup, args.threads, args.max_delay_ms,
         tuple(d.strip() for d in args.delays.split(",") if d.strip()),
-        tuple(int(n) for n in args.replicas.split(",")),
+        tuple(int(n) for n in args.replicas.split(",")), args.stream,
     )
     print(markdown(report))
     if args.out:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from eva0_edge.cli import main
@@ -141,6 +142,27 @@ def test_quant_and_serve_benchmarks_write_their_outputs(tmp_path):
     ]
     assert all(r["p99_ms"] >= r["p50_ms"] > 0 for r in report["rows"])
     assert (tmp_path / "load" / "serve_load.png").stat().st_size > 10_000
+
+
+def test_serve_load_sends_the_corrupted_stream_in_order(tmp_path):
+    from eva0_edge.bench import serve_load
+    from eva0_edge.bench.datasets import TEST_SEED, corrupted_fmnist
+    from eva0_edge.runtime.modelfile import read_metadata
+    from eva0_edge.runtime.preprocess import preprocess_uint8
+
+    metadata = read_metadata(MODEL)
+    images = serve_load.stream_images(metadata, "gaussian_noise", batch=1)
+    pixels, _ = corrupted_fmnist("test", "gaussian_noise", 5, TEST_SEED, progress=False)
+    assert images.shape == (10000, *metadata.preprocessing.input_size)
+    np.testing.assert_array_equal(images[:64], preprocess_uint8(pixels[:64],
+                                                                metadata.preprocessing))
+    assert serve_load.stream_images(metadata, "random", batch=3).shape[0] == 3
+    serve_load.main(["--model", str(MODEL), "--concurrency", "2", "--methods", "noadapt",
+                     "--requests", "3", "--warmup", "1", "--threads", "1",
+                     "--stream", "gaussian_noise", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "serve_load.json").read_text())
+    assert report["stream"] == "gaussian_noise" and report["rows"][0]["requests"] == 6
+    assert "gaussian_noise severity-5 test images" in (tmp_path / "serve_load.md").read_text()
 
 
 def test_blackbox_table_runs_every_budget_and_writes_outputs(tmp_path):
