@@ -9,9 +9,9 @@ audit, the next pause of a hold) starts only when the credit pays for all of it:
 pay for is not run, and the candidate gives way to theta0, the side every duel falls back to,
 served with one forward per sample (:mod:`.controller`). The credit goes below 0 only
 when a change of stream lengthens a running duel, and adaptation waits until that is paid for.
-The bucket holds at most ``BURST_SAMPLES`` (1024) samples' worth, (F - 1) x 1024, and starts
-full, so over any N samples the forward counter reads at most F N + (F - 1) 1024 + one
-lengthening (``guard_warmup`` + B).
+The bucket holds at most ``budget_burst`` (default ``BURST_SAMPLES``, 1024) samples' worth,
+(F - 1) x burst, and starts full, so over any N samples the forward counter reads at most
+F N + (F - 1) burst + one lengthening (``guard_warmup`` + B).
 
 Where the credit goes (a token bucket with two speeds):
 
@@ -19,9 +19,10 @@ Where the credit goes (a token bucket with two speeds):
   activation shift sees, a guard trip or verdict): every batch is adapted on while the
   credit lasts. A new stream is where a step pays (the continual tables: most of EVA-0's gain
   over the shift alone comes in the first few hundred samples of a corruption);
-* **settled** otherwise: a batch is adapted on only when the bucket is full (the credit would
-  overflow), so a stream the model has learnt gets the budget's average rate spread evenly,
-  and the bucket is full again for the next change.
+* **settled** otherwise: a batch is adapted on only when serving it would let the next
+  batch's credit overflow the full bucket, so a stream the model has learnt gets the
+  budget's average rate spread evenly (F = 1.9: nine batches in ten), and the bucket is full
+  again for the next change.
 
 F = forwards adapts on every batch (the method as it is, bit for bit); F = 1 never adapts: the
 method serves at theta0 with the activation shift, noadapt-shift's forward.
@@ -30,6 +31,7 @@ method serves at theta0 with the activation shift, noadapt-shift's forward.
 from __future__ import annotations
 
 BURST_SAMPLES = 1024
+MAX_BURST_SAMPLES = 1 << 20
 
 
 def check_budget(method: str, budget: float | None, forwards: int) -> None:
@@ -42,19 +44,26 @@ def check_budget(method: str, budget: float | None, forwards: int) -> None:
 
 class ComputeBudget:
     """The bucket for ``budget`` forwards per sample of a method with ``forwards`` per adapted
-    sample (``asynchronous``: adapted apart from the served forward, see ``extra``).
+    sample (``asynchronous``: adapted apart from the served forward, see ``extra``), holding
+    ``burst`` samples' credit.
     ``credit`` (extra forwards, at most the capacity; below 0 while the guard's duels are being
     paid for) is saved in the adaptation state as ``fill``."""
 
-    def __init__(self, budget: float, forwards: int, asynchronous: bool = False) -> None:
+    def __init__(
+        self, budget: float, forwards: int, asynchronous: bool = False,
+        burst: int = BURST_SAMPLES,
+    ) -> None:
         if not 1.0 <= budget <= forwards:
             raise ValueError(f"budget must be between 1 and the method's {forwards} forwards "
                              f"per sample, got {budget}")
+        if not 1 <= burst <= MAX_BURST_SAMPLES:
+            raise ValueError(f"budget_burst must be between 1 and {MAX_BURST_SAMPLES} samples, "
+                             f"got {burst}")
         self.budget = float(budget)
         # forwards an adapted sample pays beyond the served one: the step's own prediction is
         # served (forwards - 1), or, adapting apart from serving (the asynchronous server), none
         self.extra = forwards if asynchronous else forwards - 1
-        self.capacity = (self.budget - 1.0) * BURST_SAMPLES
+        self.capacity = (self.budget - 1.0) * burst
         self.credit = self.capacity
         self.dense = True
         self.adapted_samples = 0
@@ -94,12 +103,15 @@ class ComputeBudget:
 
     def spend(self, batch: int) -> bool:
         """Whether the credit pays for adapting on ``batch`` samples now (dense: whenever it
-        can; settled: only once the bucket is full); if so it is taken. Counts the samples as
+        can; settled: only when the next batch's credit would overflow the bucket); if so it
+        is taken. Counts the samples as
         adapted on, or as served only."""
         cost = batch * self.extra
         capacity = max(self.capacity, cost)  # a low budget still affords a large batch now and then
         affordable = self.credit >= cost
-        take = affordable and (self.dense or self.credit >= capacity)
+        # settled: adapt when serving would let the next batch's credit overflow the bucket
+        overflows = self.credit + (self.budget - 1.0) * batch > capacity
+        take = affordable and (self.dense or overflows)
         self.dense = self.dense and affordable
         if take:
             self.credit -= cost

@@ -14,6 +14,8 @@ from typing import Any, get_args, get_type_hints
 
 import numpy as np
 
+from .budget import BURST_SAMPLES
+
 
 @dataclass(frozen=True)
 class AdaptConfig:
@@ -60,7 +62,8 @@ class AdaptConfig:
     Compute budget (:mod:`budget`): ``budget`` forwards per sample on average (1 <= budget
     <= forwards; None = the method's own: adapt on every batch); a batch not adapted on is
     served at the current theta with one forward, the spending dense after a change of
-    stream and sparse once the stream is learnt.
+    stream and sparse once the stream is learnt; ``budget_burst``: the samples whose credit
+    the bucket holds (the most a change of stream can spend at once).
 
     Activation shift (:mod:`shift`, FOA's, at no forward): the served logits are the head
     applied to its input moved by ``activation_shift`` x (source mean - test mean) of the head
@@ -107,6 +110,7 @@ class AdaptConfig:
     guard_drift_max: float | None = None
     guard_alignment_max: float | None = None
     budget: float | None = None
+    budget_burst: int = BURST_SAMPLES
     activation_shift: float = 0.0
     shift_window: float = 1216.0
     shift_max: float | None = None

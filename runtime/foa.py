@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from .budget import ComputeBudget, check_budget
+from .budget import BURST_SAMPLES, ComputeBudget, check_budget
 from .config import replaced
 from .controller import StepController
 from .losses import softmax_entropy
@@ -70,7 +70,7 @@ class FOAConfig:
     shifting on/off; shift_step: its step size; shift_alpha: EMA weight of the new batch in the
     test-time head-input mean. sigma0: CMA-ES initial step size (the search starts at 0).
     budget: average forwards per sample (1 <= budget <= forwards; None: the K-candidate step on
-    every batch), see :mod:`.budget`.
+    every batch), see :mod:`.budget`; budget_burst: the samples whose credit its bucket holds.
     """
 
     forwards: int = FOA_FORWARDS
@@ -80,6 +80,7 @@ class FOAConfig:
     shift_alpha: float = 0.1
     sigma0: float = 1.0
     budget: float | None = None
+    budget_burst: int = BURST_SAMPLES
 
     def updated(self, values: dict[str, Any]) -> FOAConfig:
         """A copy with ``values`` applied; ValueError naming any unknown key."""

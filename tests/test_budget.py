@@ -25,18 +25,20 @@ def fmnist_clean() -> np.ndarray:
 
 @pytest.mark.parametrize("budget", [1.0, 1.1, 1.25, 1.5, 1.9])
 @pytest.mark.parametrize("batch", [1, 16, 64])
-def test_the_bucket_never_spends_more_than_it_was_given(budget, batch):
+@pytest.mark.parametrize("burst", [BURST_SAMPLES, 256])
+def test_the_bucket_never_spends_more_than_it_was_given(budget, batch, burst):
     """Over any prefix of N samples, with a change every 700 samples: extra forwards <=
-    (F - 1) N + the bucket; on a long stream the spending is the budget's."""
-    bucket = ComputeBudget(budget, 2)
+    (F - 1) N + the bucket of ``burst`` samples' credit; on a long stream the spending is the
+    budget's."""
+    bucket = ComputeBudget(budget, 2, burst=burst)
     spent, seen = 0, 0
     for i in range(0, 40000, batch):
         if i // 700 != (i + batch) // 700:
             bucket.changed()
         spent += batch if bucket.adapt(batch) else 0
         seen += batch
-        assert spent <= (budget - 1) * seen + max((budget - 1) * BURST_SAMPLES, batch) + 1e-6
-    assert spent >= (budget - 1) * seen - max((budget - 1) * BURST_SAMPLES, batch) - batch
+        assert spent <= (budget - 1) * seen + max((budget - 1) * burst, batch) + 1e-6
+    assert spent >= (budget - 1) * seen - max((budget - 1) * burst, batch) - batch
 
 
 def test_after_a_change_the_bucket_is_spent_densely_then_evenly():
@@ -64,14 +66,21 @@ def test_a_budget_outside_one_to_the_methods_forwards_is_refused():
     for bad in (0.5, 2.5):
         with pytest.raises(ValueError, match="budget must be between 1 and"):
             AdaptiveModel.load(RESNET, "eva0", {"budget": bad})
+    for bad in (0, -3, 1 << 21):
+        with pytest.raises(ValueError, match="budget_burst must be between 1 and"):
+            AdaptiveModel.load(RESNET, "eva0", {"budget": 1.5, "budget_burst": bad})
+    with pytest.raises(ValueError, match="budget_burst must be int"):
+        AdaptiveModel.load(RESNET, "eva0", {"budget": 1.5, "budget_burst": 12.5})
 
 
-def test_the_forward_counter_stays_within_the_budget(fmnist_clean):
-    model = AdaptiveModel.load(RESNET, "eva0", {"budget": 1.25}, threads=1)
+@pytest.mark.parametrize("burst", [BURST_SAMPLES, 128])
+def test_the_forward_counter_stays_within_the_budget(fmnist_clean, burst):
+    model = AdaptiveModel.load(RESNET, "eva0", {"budget": 1.25, "budget_burst": burst},
+                               threads=1)
     for i in range(0, len(fmnist_clean), 16):
         model.step(fmnist_clean[i:i + 16])
     stats = model.stats()
-    allowance = 0.25 * BURST_SAMPLES / len(fmnist_clean)
+    allowance = 0.25 * burst / len(fmnist_clean)
     assert 1.1 < stats["forwards_per_sample"] <= 1.25 + allowance
     counted = stats["budget"]["adapted_samples"] + stats["budget"]["served_samples"]
     assert counted == len(fmnist_clean)
