@@ -44,7 +44,7 @@ from typing import Any
 from eva0_edge.bench.backprop import PAPER_LR
 from eva0_edge.bench.evaluate import BACKPROP, EvalSpec, evaluate
 from eva0_edge.bench.prompt_variant import tune_log_path
-from eva0_edge.runtime.config import AdaptConfig
+from eva0_edge.runtime.config import AdaptConfig, parse_key_values
 from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.foa import FOA_METHODS, FOAConfig
 from eva0_edge.runtime.methods import is_prompt_method
@@ -72,6 +72,13 @@ def default_grid(model: str, method: str) -> list[dict[str, float]]:
     return [{key: float(f"{value * s:.6g}")} for s in SCALES]
 
 
+def _number(text: str) -> int | float:
+    """``"256"`` -> 256 (an int, for integer hyper-parameters such as ``budget_burst``),
+    ``"0.002"`` -> 0.002."""
+    text = text.strip()
+    return int(text) if text.lstrip("-").isdigit() else float(text)
+
+
 def parse_grid(items: list[str]) -> list[dict[str, Any]]:
     """``["eta=0.001,0.002", "lambda_swa=0,50"]`` -> the product of the listed values."""
     axes = []
@@ -79,42 +86,52 @@ def parse_grid(items: list[str]) -> list[dict[str, Any]]:
         key, sep, values = item.partition("=")
         if not sep:
             raise ValueError(f"bad --grid {item!r}: use KEY=V1,V2,...")
-        axes.append([(key.strip(), float(v)) for v in values.split(",")])
+        axes.append([(key.strip(), _number(v)) for v in values.split(",")])
     return [dict(combo) for combo in itertools.product(*axes)]
 
 
-def score(args: argparse.Namespace, method: str, overrides: dict[str, Any]) -> dict[str, float]:
-    """Accuracy (%) per cell: ``<protocol> B=<b>`` (corrupted average) and ``clean B=<b>``."""
+def score(
+    args: argparse.Namespace, method: str, overrides: dict[str, Any]
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Accuracy (%) per cell, ``<protocol> B=<b>`` (corrupted average) and ``clean B=<b>``, and
+    each corrupted cell's measured forwards per sample; ``args.fixed`` applies under
+    ``overrides``."""
     common = dict(
         model=args.model, dataset="fmnist-c", severity=args.severity, batch_size=64,
-        methods=[method], batch_sizes=args.batch_sizes, split="val", overrides=overrides,
-        provider="cpu", threads=args.threads,
+        methods=[method], batch_sizes=args.batch_sizes, split="val",
+        overrides={**args.fixed, **overrides}, provider="cpu", threads=args.threads,
     )
-    cells = {}
-    for protocol in PROTOCOLS:
+    cells, forwards = {}, {}
+    for protocol in args.protocols:
         results = evaluate(EvalSpec(protocol=protocol, limit=args.limit, **common), progress=False)
         cells.update({f"{protocol} B={r.batch}": r.average for r in results.values()})
+        forwards.update({f"{protocol} B={r.batch}": r.forwards_per_sample
+                         for r in results.values()})
     clean = evaluate(
         EvalSpec(protocol="single", limit=args.clean_limit, corruptions=["clean"], **common),
         progress=False,
     )
     cells.update({f"clean B={r.batch}": r.average for r in clean.values()})
-    return cells
+    return cells, forwards
 
 
 def noadapt_reference(args: argparse.Namespace) -> dict[str, float]:
     """NoAdapt on the same images (it does not depend on the batch size)."""
-    args_64 = argparse.Namespace(**{**vars(args), "batch_sizes": [64]})
-    cells = score(args_64, "noadapt", {})
+    args_64 = argparse.Namespace(**{**vars(args), "batch_sizes": [64], "fixed": {}})
+    cells, _ = score(args_64, "noadapt", {})
     return {
         f"{kind} B={b}": cells[f"{kind} B=64"]
-        for kind in (*PROTOCOLS, "clean") for b in args.batch_sizes
+        for kind in (*args.protocols, "clean") for b in args.batch_sizes
     }
 
 
-def choose(rows: list[dict], reference: dict[str, float], margin: float) -> dict:
+def choose(
+    rows: list[dict], reference: dict[str, float], margin: float,
+    max_forwards: float | None = None,
+) -> dict:
     """The rule of the module docstring; marks each row ``eligible``, ``mean_corrupted``,
-    ``worst_corrupted`` and ``worst_gain``."""
+    ``worst_corrupted`` and ``worst_gain``. With ``max_forwards`` a row is eligible only when
+    every corrupted cell's measured forwards per sample stays within it."""
     for row in rows:
         cells = row["cells"]
         gains = {k: cells[k] - reference[k] for k in cells}
@@ -122,7 +139,8 @@ def choose(rows: list[dict], reference: dict[str, float], margin: float) -> dict
         row["mean_corrupted"] = sum(corrupted) / len(corrupted)
         row["worst_corrupted"] = min(corrupted)
         row["worst_gain"] = min(gains.values())
-        row["eligible"] = all(gains[k] >= -margin for k in gains if k.startswith("clean"))
+        row["eligible"] = all(gains[k] >= -margin for k in gains if k.startswith("clean")) and (
+            max_forwards is None or all(f <= max_forwards for f in row["forwards"].values()))
     eligible = [r for r in rows if r["eligible"]]
     if eligible:
         return max(eligible, key=lambda r: (r["worst_corrupted"], r["mean_corrupted"]))
@@ -131,16 +149,16 @@ def choose(rows: list[dict], reference: dict[str, float], margin: float) -> dict
 
 def beyond_edge(best: dict[str, float], tried: list[dict[str, float]]) -> dict | None:
     """For a one-axis grid whose best value is its smallest or largest: that value halved or
-    doubled (the next point past the edge); None otherwise."""
+    doubled (the next point past the edge; an integer stays one); None otherwise."""
     if len(best) != 1:
         return None
     (key, value), = best.items()
     values = sorted(c[key] for c in tried)
-    if value == values[0]:
-        return {key: float(f"{value / 2:.6g}")}
-    if value == values[-1]:
-        return {key: float(f"{value * 2:.6g}")}
-    return None
+    if value not in (values[0], values[-1]):
+        return None
+    if isinstance(value, int):
+        return {key: max(1, value // 2) if value == values[0] else value * 2}
+    return {key: float(f"{value / 2 if value == values[0] else value * 2:.6g}")}
 
 
 def write_choice(model_path: str, method: str, values: dict[str, Any]) -> None:
@@ -178,6 +196,12 @@ def main() -> None:
     parser.add_argument("--method", default="eva0")
     parser.add_argument("--grid", action="append", metavar="KEY=V1,V2,...",
                         help="grid axis, repeatable (default: the step size x 0.5 .. 16)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a value every configuration runs with (not tuned), e.g. budget=1.5")
+    parser.add_argument("--protocols", default=",".join(PROTOCOLS),
+                        help="corrupted protocols scored (default single,continual)")
+    parser.add_argument("--max-forwards", type=float, help="eligible only when every corrupted "
+                        "cell's measured forwards per sample stays within this (a budget's)")
     parser.add_argument("--limit", type=int, default=100, help="images per corruption")
     parser.add_argument("--clean-limit", type=int, default=500, help="clean images")
     parser.add_argument("--batch-sizes", default="1,4,16,64")
@@ -192,6 +216,8 @@ def main() -> None:
                         help="re-apply the choice to the existing log instead of scoring")
     args = parser.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.protocols = [p.strip() for p in args.protocols.split(",") if p.strip()]
+    args.fixed = parse_key_values(args.set)
     if args.method in FOA_METHODS:
         known = set(FOAConfig.__dataclass_fields__)
     elif args.method in BACKPROP:
@@ -210,7 +236,8 @@ def main() -> None:
     )
     if args.from_log:
         logged = json.loads(out.read_text())
-        best = choose(logged["grid"], logged["noadapt"], args.clean_margin)
+        best = choose(logged["grid"], logged["noadapt"], args.clean_margin,
+                      logged.get("max_forwards"))
         logged["best"] = best
         out.write_text(json.dumps(logged, indent=2) + "\n")
         if args.write:
@@ -220,24 +247,27 @@ def main() -> None:
     configs = parse_grid(args.grid) if args.grid else default_grid(args.model, args.method)
     reference = noadapt_reference(args)
     print(json.dumps({"noadapt": reference}), flush=True)
-    rows = []
-    for config in configs:
-        rows.append({"config": config, "cells": score(args, args.method, config)})
-        print(json.dumps(rows[-1]), flush=True)
-    best = choose(rows, reference, args.clean_margin)
+
+    def scored(config: dict[str, Any]) -> dict[str, Any]:
+        cells, forwards = score(args, args.method, config)
+        print(json.dumps({"config": config, "cells": cells, "forwards": forwards}), flush=True)
+        return {"config": config, "cells": cells, "forwards": forwards}
+
+    rows = [scored(config) for config in configs]
+    best = choose(rows, reference, args.clean_margin, args.max_forwards)
     for _ in range(args.extend):
         beyond = beyond_edge(best["config"], [row["config"] for row in rows])
         if beyond is None:
             break
-        rows.append({"config": beyond, "cells": score(args, args.method, beyond)})
-        print(json.dumps(rows[-1]), flush=True)
-        best = choose(rows, reference, args.clean_margin)
+        rows.append(scored(beyond))
+        best = choose(rows, reference, args.clean_margin, args.max_forwards)
     if args.write:
         write_choice(args.model, args.method, best["config"])
     report = {
         "model": Path(args.model).name, "method": args.method, "split": "val",
         "severity": args.severity, "limit": args.limit, "clean_limit": args.clean_limit,
         "batch_sizes": args.batch_sizes, "clean_margin": args.clean_margin,
+        "protocols": args.protocols, "fixed": args.fixed, "max_forwards": args.max_forwards,
         "noadapt": reference, "best": best, "grid": rows,
         "seconds": time.time() - start, "load_average": os.getloadavg(),
     }
