@@ -37,7 +37,6 @@ session's own ORT clock (``ForwardCounter.ort_seconds``).
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -53,7 +52,7 @@ from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.progress import progress_bar
 from eva0_edge.runtime.registry import parse_method, spec_of
 
-from .machine import environment
+from .machine import environment, process_peak_rss_mb
 from .output import machine_line, pyplot, save_figure
 from .output import write_outputs as write_bench_outputs
 from .workload import export_random, random_batch
@@ -448,16 +447,6 @@ def plot(report: dict[str, Any], path: Path) -> None:
 def write_outputs(report: dict[str, Any], out_dir: Path) -> None:
     """``cost.json``, ``cost.md`` and ``cost.png`` in ``out_dir``."""
     write_bench_outputs(out_dir, "cost", report, markdown(report), plot)
-
-
-def process_peak_rss_mb() -> float:
-    """This process's peak RSS (VmHWM) in MB. Not ``ru_maxrss``: Linux carries that across
-    fork + exec, so a worker would report its parent's peak."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def _worker(argv: list[str]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import resource
 import shutil
 import subprocess
 from typing import Any
@@ -35,3 +36,13 @@ def environment() -> dict[str, Any]:
         "numpy": np.__version__, "python": platform.python_version(),
         "load_average": os.getloadavg(),
     }
+
+
+def process_peak_rss_mb() -> float:
+    """This process's peak RSS (VmHWM) in MB. Not ``ru_maxrss``: Linux carries that across
+    fork + exec, so a worker would report its parent's peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

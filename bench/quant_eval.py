@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ from eva0_edge.runtime.preprocess import preprocess_uint8
 
 from .datasets import Domain, fmnist_c_domains
 from .fashion_mnist import load_fashion_mnist, train_val_indices
-from .machine import environment
+from .machine import environment, process_peak_rss_mb
 from .output import machine_line, pyplot, save_figure, write_outputs
 from .protocols import run_protocol
 from .workload import export_random, random_batch
@@ -173,11 +172,10 @@ SPEED_FILES = (  # (name, scheme, bits, fake_quant)
 
 def _quantize_measured(fp32: str, path: str, bits: int, calibration_path: str, scheme: str,
                        fake: bool) -> dict[str, float]:
-    """Quantize in this (fresh) process; its wall time (s) and peak RSS (MiB)."""
+    """Quantize in this (fresh) process; its wall time (s) and its own peak RSS (MiB)."""
     start = time.perf_counter()
     quantize_model(fp32, path, bits, np.load(calibration_path), scheme, fake_quant=fake)
-    return {"seconds": time.perf_counter() - start,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {"seconds": time.perf_counter() - start, "peak_rss_mib": process_peak_rss_mb()}
 
 
 def run_speed(

@@ -77,9 +77,10 @@ def test_peak_memory_is_measured_in_a_fresh_process(small_vit):
     import numpy as np
 
     from eva0_edge.bench import cost
+    from eva0_edge.bench.machine import process_peak_rss_mb
 
     ballast = np.ones(400 * 2**20 // 8)  # +400 MB in this process only
-    parent = cost.process_peak_rss_mb()
+    parent = process_peak_rss_mb()
     child = cost.process_memory(str(small_vit.onnx_path), "noadapt", 2, 2, 1, None)["peak_rss_mb"]
     assert 0 < child < parent - 300
     del ballast
@@ -111,6 +112,27 @@ def test_ort_profile_sums_kernel_time_by_operator(small_resnet_gn, tmp_path):
     assert ops["Conv"]["eva0_ms"] > 0 and ops["Conv"]["noadapt_ms"] > 0  # times: never compared
     assert report["total_eva0_ms"] == pytest.approx(sum(r["eva0_ms"] for r in report["rows"]))
     assert "| Conv |" in (tmp_path / "profile.md").read_text()
+
+
+def test_quantize_reports_its_own_peak_memory_not_its_parents(tmp_path):
+    """The quantize worker is spawned from a parent holding 400 MB more (as the speed table's
+    parent holds the exported ViT-B): it reports its own peak."""
+    import multiprocessing
+
+    from eva0_edge.bench import quant_eval
+    from eva0_edge.bench.machine import process_peak_rss_mb
+
+    vit = Path(__file__).resolve().parents[1] / "models" / "vit_fmnist.onnx"
+    calibration = tmp_path / "calibration.npy"
+    np.save(calibration, quant_eval.calibration_images(str(vit))[:8])
+    ballast = np.ones(400 * 2**20 // 8)
+    ballast[::512] = 2.0  # touched: resident
+    parent = process_peak_rss_mb()
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        cost = pool.apply(quant_eval._quantize_measured, (
+            str(vit), str(tmp_path / "q.onnx"), 8, str(calibration), "ptq4vit", False))
+    assert 50 < cost["peak_rss_mib"] < parent - 300
+    del ballast
 
 
 def test_quant_and_serve_benchmarks_write_their_outputs(tmp_path):
