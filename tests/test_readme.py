@@ -52,3 +52,11 @@ def test_the_asynchronous_serving_tables_are_the_committed_runs():
         text = (ROOT / "bench" / "results" / run / f"{stem}.md").read_text()
         table = "\n".join(line for line in text.splitlines() if line.startswith("|"))
         assert table in readme, f"the README's {run} table is not bench/results/{run}/{stem}.md"
+
+
+def test_the_quantized_speed_table_is_the_committed_run():
+    """``make quant``'s speed table, as bench/results/quant-speed/quant_speed.md has it."""
+    readme = (ROOT / "README.md").read_text()
+    text = (ROOT / "bench" / "results" / "quant-speed" / "quant_speed.md").read_text()
+    table = "\n".join(line for line in text.splitlines() if line.startswith("|"))
+    assert table in readme and "bench/results/quant-speed/" in readme
