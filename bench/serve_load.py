@@ -12,7 +12,8 @@ keeps the health guard in its pause). Latency is
 per request, client side (send to parsed response); throughput is images per second of wall
 time. ``--delays adaptive,fixed`` runs each method under both batching delays (the server's
 default, adaptive, and ``--fixed-delay``). A method named ``eva0+async`` is served with
-``--async-adapt`` (answers from one forward, adaptation on answered inputs while idle). The
+``--async-adapt`` (answers from one forward, adaptation on answered inputs while idle), one
+named ``METHOD@F`` with ``--budget F`` (``eva0+async@1.5``). The
 clients share the machine with the server: on a 2-core machine they take CPU from it, so the
 numbers are for the whole client + server system.
 ``--replicas 0,1,2`` repeats everything on the plain server (0) and on fleets of 1 and 2 Ray Serve
@@ -49,7 +50,18 @@ from .output import machine_line, pyplot, save_figure, write_outputs
 from .workload import random_batch
 
 ASYNC = "+async"  # a method named eva0+async is served with --async-adapt
+BUDGET = "@"  # eva0@1.5: served with --budget 1.5
 RANDOM = "random"
+
+
+def serve_options(method: str) -> tuple[str, tuple[str, ...]]:
+    """(``serve --method`` value, more ``serve`` options) of a method label: ``eva0+async`` is
+    served with ``--async-adapt``, ``eva0+async@1.5`` also with ``--budget 1.5``."""
+    name, at, budget = method.partition(BUDGET)
+    extra = ("--budget", str(float(budget))) if at else ()
+    if name.endswith(ASYNC):
+        return name.removesuffix(ASYNC), ("--async-adapt", *extra)
+    return name, extra
 
 
 def _free_port() -> int:
@@ -173,9 +185,8 @@ def run_load(
     env_start = environment()
     rows = []
     for method, delay, fleet in ((m, d, n) for m in methods for d in delays for n in replicas):
-        base, asynchronous = method.removesuffix(ASYNC), method.endswith(ASYNC)
-        server = ServeProcess(model, base, threads, max_delay_ms, delay, fleet,
-                              ("--async-adapt",) if asynchronous else ())
+        served_method, extra = serve_options(method)
+        server = ServeProcess(model, served_method, threads, max_delay_ms, delay, fleet, extra)
         try:
             for clients in concurrency:
                 rows_before, steps_before = server.step_counts()

@@ -179,11 +179,17 @@ def test_serve_load_sends_the_corrupted_stream_in_order(tmp_path):
     np.testing.assert_array_equal(images[:64], preprocess_uint8(pixels[:64],
                                                                 metadata.preprocessing))
     assert serve_load.stream_images(metadata, "random", batch=3).shape[0] == 3
-    serve_load.main(["--model", str(MODEL), "--concurrency", "2", "--methods", "noadapt",
-                     "--requests", "3", "--warmup", "1", "--threads", "1",
-                     "--stream", "gaussian_noise", "--out", str(tmp_path)])
+    assert serve_load.serve_options("eva0+async@1.5") == (
+        "eva0", ("--async-adapt", "--budget", "1.5"))
+    assert serve_load.serve_options("eva0@2") == ("eva0", ("--budget", "2.0"))
+    assert serve_load.serve_options("noadapt") == ("noadapt", ())
+    serve_load.main(["--model", str(MODEL), "--concurrency", "2", "--methods",
+                     "noadapt,eva0+async@1.5", "--requests", "3", "--warmup", "1",
+                     "--threads", "1", "--stream", "gaussian_noise", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "serve_load.json").read_text())
-    assert report["stream"] == "gaussian_noise" and report["rows"][0]["requests"] == 6
+    assert report["stream"] == "gaussian_noise"
+    assert [(r["method"], r["requests"]) for r in report["rows"]] == [
+        ("noadapt", 6), ("eva0+async@1.5", 6)]
     assert "gaussian_noise severity-5 test images" in (tmp_path / "serve_load.md").read_text()
 
 
