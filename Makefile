@@ -88,15 +88,18 @@ sweep: setup data
 
 # Is the return to clean safe after what a deployed device meets? Each hostile stream (constant
 # frames, a stuck frame, and the sensor-fault sweep: Gaussian noise of std 0.1-0.5, blur, JPEG)
-# then clean images, one image per step, NoAdapt against EVA-0; one report per stream.
+# then clean images, one image per step, NoAdapt against EVA-0; one report per stream and seed
+# (HOSTILE_SEEDS orders the stream and draws the perturbations; the table averages the seeds).
 HOSTILE_STREAMS := black repeat gauss-0.1 gauss-0.2 gauss-0.3 gauss-0.5 blur-1 blur-2 jpeg-20 jpeg-5
 HOSTILE_LIMIT ?= 500
+HOSTILE_SEEDS ?= 0 1 2 3 4
 hostile: setup data
 	for m in vit_fmnist resnet_gn_fmnist; do for s in $(HOSTILE_STREAMS); do \
+		for seed in $(HOSTILE_SEEDS); do \
 		$(VENV)/bin/eva0-edge eval --model models/$$m.onnx --protocol continual \
-			--corruptions $$s,clean --batch-size 1 --limit $(HOSTILE_LIMIT) \
-			--methods noadapt,eva0 --threads 1 --out out/hostile/$$m-$$s -q; \
-	done; done
+			--corruptions $$s,clean --batch-size 1 --limit $(HOSTILE_LIMIT) --seed $$seed \
+			--methods noadapt,eva0 --threads 1 --out out/hostile/$$m-$$s-seed$$seed -q; \
+	done; done; done
 	$(PY) -m eva0_edge.bench.hostile_summary out/hostile
 
 # What a compute budget buys: the continual stream (severity 5) on both shipped models at B = 1

@@ -307,7 +307,8 @@ def test_the_hostile_summary_reads_every_stream_report(tmp_path, capsys):
     minus NoAdapt, unlabelled streams shown as '-'."""
     from eva0_edge.bench.hostile_summary import main
 
-    def report(folder: str, stream: str, scores: dict[str, tuple[float, float]]) -> None:
+    def report(folder: str, stream: str, scores: dict[str, tuple[float, float]],
+               seed: int = 0) -> None:
         results = {
             method: {"accuracy": {stream: on_stream, "clean": on_clean},
                      "final_stats": {"guard": {"trips": 1, "audits": 2}}}
@@ -315,13 +316,16 @@ def test_the_hostile_summary_reads_every_stream_report(tmp_path, capsys):
         }
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "results.json").write_text(json.dumps({
-            "spec": {"model": "models/m.onnx", "limit": 500, "batch_size": 1},
+            "spec": {"model": "models/m.onnx", "limit": 500, "batch_size": 1, "seed": seed},
             "results": results}))
 
     report("m-gauss-0.3", "gauss-0.3", {"noadapt": (19.0, 91.4), "eva0": (44.4, 89.2)})
+    report("m-gauss-0.3-seed1", "gauss-0.3", {"noadapt": (19.6, 91.4), "eva0": (44.0, 91.0)}, 1)
     report("m-black", "black", {"noadapt": (float("nan"), 91.4), "eva0": (float("nan"), 91.4)})
     assert main([str(tmp_path)]) == 0
     rows = {r["stream"]: r for r in json.loads((tmp_path / "hostile.json").read_text())}
-    assert rows["gauss-0.3"]["clean_gap"] == -2.2 and rows["gauss-0.3"]["eva0_stream"] == 44.4
+    gauss = rows["gauss-0.3"]  # two seeds: gaps -2.2 and -0.4
+    assert gauss["clean_gap"] == -1.3 and gauss["worst_gap"] == -2.2 and gauss["seeds"] == [0, 1]
+    assert gauss["eva0_stream"] == 44.2 and gauss["trips"] == 2
     assert rows["black"]["noadapt_stream"] is None and rows["black"]["clean_gap"] == 0.0
-    assert "| m | black | - | - | 91.4 | 91.4 | 0.0 | 1 | 2 |" in capsys.readouterr().out
+    assert "| m | black | - | - | 91.4 | 91.4 | 0.0 | 0.0 | 1 | 1 | 2 |" in capsys.readouterr().out
