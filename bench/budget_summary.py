@@ -4,6 +4,10 @@ reports ``<reports>/<model>-<label>/results.json`` (label ``full``: the methods 
 cost; a number: EVA-0 at that ``--budget``).
 
     python -m eva0_edge.bench.budget_summary out/budget
+    python -m eva0_edge.bench.budget_summary out/budget-vit --keep bench/results/budget/budget.json
+
+``--keep`` reruns part of a table: the rows of an earlier summary's ``budget.json`` stay unless
+the new reports have a row of the same model, method and batch size.
 
 Prints a Markdown table and writes ``<reports>/budget.md``, ``budget.json`` and
 ``budget.png`` (one panel per model and batch size: average accuracy against forwards per
@@ -42,6 +46,19 @@ def summarise(reports: Path) -> list[dict[str, Any]]:
                                        r["method"]))
 
 
+def _key(row: dict[str, Any]) -> tuple[str, str, int]:
+    return row["model"], row["method"], row["batch_size"]
+
+
+def merged(new: list[dict[str, Any]], kept: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``new`` rows and the ``kept`` ones they do not replace (same model, method and batch
+    size), in the table's order."""
+    replaced = {_key(r) for r in new}
+    rows = new + [r for r in kept if _key(r) not in replaced]
+    return sorted(rows, key=lambda r: (r["model"], r["batch_size"], r["forwards_per_sample"],
+                                       r["method"]))
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| model | B | method | fwd/sample | avg |", "|---" * 5 + "|"]
     for r in rows:
@@ -71,10 +88,14 @@ def plot(report: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("reports", type=Path, help="folder of <model>-<label>/ eval reports")
+    parser.add_argument("--keep", type=Path, help="an earlier budget.json whose rows stay "
+                        "where the reports have none of the same model, method and batch size")
     args = parser.parse_args(argv)
     rows = summarise(args.reports)
     if not rows:
         parser.error(f"no <model>-<label>/results.json under {args.reports}")
+    if args.keep:
+        rows = merged(rows, json.loads(args.keep.read_text())["rows"])
     table = markdown(rows)
     print(table)
     write_outputs(args.reports, "budget", {"rows": rows}, table + "\n", plot)

@@ -167,6 +167,18 @@ def test_the_budget_summary_tables_and_plots_measured_forwards(tmp_path):
     assert [(r["method"], r["forwards_per_sample"]) for r in rows] == [
         ("noadapt", 1.0), ("eva0 budget 1.5", 1.49), ("eva0", 2.0)]
     assert (tmp_path / "budget.png").stat().st_size > 0
+    # a rerun of the budget row alone keeps the other rows of the earlier summary
+    earlier = tmp_path.parent / f"{tmp_path.name}-earlier.json"
+    (tmp_path / "budget.json").rename(earlier)
+    for folder in ("full", "1.5"):
+        for f in (tmp_path / f"resnet_gn_fmnist-{folder}").iterdir():
+            f.unlink()
+        (tmp_path / f"resnet_gn_fmnist-{folder}").rmdir()
+    report("1.5", 1.5, {"eva0 B=1": (81.6, 1.48)})
+    assert main([str(tmp_path), "--keep", str(earlier)]) == 0
+    rows = json.loads((tmp_path / "budget.json").read_text())["rows"]
+    assert [(r["method"], r["average"]) for r in rows] == [
+        ("noadapt", 79.4), ("eva0 budget 1.5", 81.6), ("eva0", 81.1)]
 
 
 def test_the_layers_summary_shares_the_gain_of_the_file_adapting_the_most(tmp_path):
