@@ -22,6 +22,15 @@ best sits on an edge of the grid, the next point past it is scored too (at most 
 eva0, in ``recommended``, except the activation shift, which stays eva0's own). The log goes
 to ``models/<name>.tune-<method>.json``.
 
+``--set KEY=VALUE`` runs every configuration with a value that is not tuned, ``--protocols``
+picks the corrupted protocols scored, and ``--max-forwards F`` makes a configuration eligible
+only when every corrupted cell's measured forwards per sample stays within F. The compute
+budget's bucket (``budget_burst``) was tuned this way, at the budget it serves:
+
+    python models/tune.py --model models/vit_fmnist.onnx --method eva0 --protocols continual \
+        --set budget=1.5 --grid budget_burst=512,1024,2048 --limit 1000 --clean-limit 1000 \
+        --batch-sizes 1,16,64 --max-forwards 1.5 --log models/vit_fmnist.tune-eva0-burst-1.5.json
+
 ``--method foa`` runs on the model's prompt variant (``bench.prompt_variant``) by the same rule;
 its default grid is ``lambda_fit`` (the fitness's feature-statistics weight) at the scales above,
 and the winner goes into the shipped file's ``tuned`` values, which the prompt variant carries.
