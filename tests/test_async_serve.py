@@ -124,8 +124,8 @@ def test_budget_one_serves_what_noadapt_shift_serves(started):
 
 def test_the_budget_charges_an_adapted_sample_its_forwards_beyond_the_served_one(started):
     """F = 1.5 on 1600 samples: the forward counter stays within the budget plus the bucket's
-    burst (1024 samples' worth of F - 1), though every adapted sample also paid its served
-    forward."""
+    burst (the model's ``budget_burst`` samples' worth of F - 1), though every adapted sample
+    also paid its served forward."""
     model = AdaptiveModel.load(MODEL, "eva0", {"budget": 1.5, "guard": False}, provider="cpu")
     worker = started(model)
     for seed in range(200):
@@ -135,7 +135,8 @@ def test_the_budget_charges_an_adapted_sample_its_forwards_beyond_the_served_one
     counts = worker.counts()
     fps = worker.call(lambda m: m.forwards_per_sample).result(30)
     assert fps == pytest.approx(1 + 2 * counts["adapted_samples"] / counts["served_samples"])
-    assert counts["adapted_samples"] > 0 and fps <= 1.5 + 0.5 * 1024 / 1600 + 1e-9
+    burst = model.config.budget_burst
+    assert counts["adapted_samples"] > 0 and fps <= 1.5 + 0.5 * burst / 1600 + 1e-9
     budget = worker.call(lambda m: m.stats()["budget"]).result(30)
     assert budget["adapted_samples"] == counts["adapted_samples"]
     assert 0 < budget["served_samples"] <= counts["dropped_samples"]  # declined by the budget
