@@ -42,6 +42,11 @@ def summarise(reports: Path) -> list[dict[str, Any]]:
                 "forwards_per_sample": round(result["forwards_per_sample"], 3),
                 "protocol": spec["protocol"], "images_per_domain": spec.get("limit"),
             })
+    return _in_table_order(rows)
+
+
+def _in_table_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """By model, batch size, measured forwards per sample, method."""
     return sorted(rows, key=lambda r: (r["model"], r["batch_size"], r["forwards_per_sample"],
                                        r["method"]))
 
@@ -54,9 +59,7 @@ def merged(new: list[dict[str, Any]], kept: list[dict[str, Any]]) -> list[dict[s
     """``new`` rows and the ``kept`` ones they do not replace (same model, method and batch
     size), in the table's order."""
     replaced = {_key(r) for r in new}
-    rows = new + [r for r in kept if _key(r) not in replaced]
-    return sorted(rows, key=lambda r: (r["model"], r["batch_size"], r["forwards_per_sample"],
-                                       r["method"]))
+    return _in_table_order(new + [r for r in kept if _key(r) not in replaced])
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

@@ -82,10 +82,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| model | stream | NoAdapt stream | EVA-0 stream | NoAdapt clean after | "
              "EVA-0 clean after | gap | worst gap | seeds | trips | audits |", "|---" * 11 + "|"]
     for r in rows:
-        lines.append("| " + " | ".join(cell(r[k]) for k in (
-            "model", "stream", "noadapt_stream", "eva0_stream", "noadapt_clean", "eva0_clean",
-            "clean_gap", "worst_gap")) + f" | {len(r['seeds'])} | " + " | ".join(
-            cell(r[k]) for k in ("trips", "audits")) + " |")
+        values = [r[k] for k in ("model", "stream", "noadapt_stream", "eva0_stream",
+                                 "noadapt_clean", "eva0_clean", "clean_gap", "worst_gap")]
+        values += [len(r["seeds"]), r["trips"], r["audits"]]
+        lines.append("| " + " | ".join(cell(v) for v in values) + " |")
     return "\n".join(lines)
 
 

@@ -104,8 +104,7 @@ class ComputeBudget:
     def spend(self, batch: int) -> bool:
         """Whether the credit pays for adapting on ``batch`` samples now (dense: whenever it
         can; settled: only when the next batch's credit would overflow the bucket); if so it
-        is taken. Counts the samples as
-        adapted on, or as served only."""
+        is taken. Counts the samples as adapted on, or as served only."""
         cost = batch * self.extra
         capacity = max(self.capacity, cost)  # a low budget still affords a large batch now and then
         affordable = self.credit >= cost
