@@ -81,13 +81,6 @@ def default_grid(model: str, method: str) -> list[dict[str, float]]:
     return [{key: float(f"{value * s:.6g}")} for s in SCALES]
 
 
-def _number(text: str) -> int | float:
-    """``"256"`` -> 256 (an int, for integer hyper-parameters such as ``budget_burst``),
-    ``"0.002"`` -> 0.002."""
-    text = text.strip()
-    return int(text) if text.lstrip("-").isdigit() else float(text)
-
-
 def parse_grid(items: list[str]) -> list[dict[str, Any]]:
     """``["eta=0.001,0.002", "lambda_swa=0,50"]`` -> the product of the listed values."""
     axes = []
@@ -95,7 +88,9 @@ def parse_grid(items: list[str]) -> list[dict[str, Any]]:
         key, sep, values = item.partition("=")
         if not sep:
             raise ValueError(f"bad --grid {item!r}: use KEY=V1,V2,...")
-        axes.append([(key.strip(), _number(v)) for v in values.split(",")])
+        key = key.strip()  # values as --set reads them: "256" an int, "0.002" a float
+        axes.append([(key, parse_key_values([f"{key}={v.strip()}"])[key])
+                     for v in values.split(",")])
     return [dict(combo) for combo in itertools.product(*axes)]
 
 
