@@ -17,8 +17,11 @@ family and, without a guard, FOA: :class:`~.foa.FOAModel` has the same ``serve``
    trips).
 
 The asynchronous server splits this in two: :meth:`StepController.serve_step` answers (steps
-1-4, the budget earning the batch's credit), and :meth:`StepController.adapt_served` runs step 5
-on batches already answered, when the worker is idle and the credit pays for it.
+1-4, the budget earning the batch's credit), and an adaptation pass runs step 5 on batches
+already answered, when the worker is idle and the credit pays for it: :meth:`begin_pass` (the
+checks, the budget, the perturbed rows), the ORT call (which may run on another thread while
+serving goes on), :meth:`finish_pass` (the estimate, the update and the guard, dropped when a
+roll-back, reset, installed state, pause or freeze came in between).
 
 After steps 4 and 5, a change of stream (the input change detector, the activation shift's
 change detector) makes the budget spend densely and starts the guard's audit at a change; the
@@ -41,7 +44,7 @@ from .guard import GuardBounds, HealthGuard
 from .inputwatch import InputChangeDetector
 
 if TYPE_CHECKING:
-    from .engine import AdaptiveModel
+    from .engine import AdaptiveModel, ServedPass
     from .foa import FOAModel
 
 log = logging.getLogger(__name__)
@@ -103,26 +106,41 @@ class StepController:
     def serve_step(self, x: np.ndarray) -> np.ndarray:
         """The asynchronous server's answer: :meth:`step` without the method's own step (the
         guard's duels still run, the budget earns the batch's credit); the batch is adapted on
-        later, if at all, by :meth:`adapt_served`."""
+        later, if at all, by a pass (:meth:`begin_pass`, :meth:`finish_pass`)."""
         return self._step(x, adapt=False)
 
-    def adapt_served(self, x: np.ndarray) -> bool:
-        """The asynchronous server's adaptation pass on a checked batch x [B, C, H, W] it has
-        already answered: the method's step when adaptation is on (not frozen, no guard pause)
-        and the budget's credit pays for it, then the guard watches the step's prediction.
-        Nothing is served; the input and shift change detectors saw x when it was served.
-        Returns whether the step ran."""
+    def begin_pass(self, x: np.ndarray) -> ServedPass | None:
+        """Begin the adaptation pass on x [B, C, H, W] (already answered) when adaptation is on
+        (not frozen, no guard pause) and the budget's credit pays for it (spent now); None
+        otherwise. Nothing is served; the input and shift change detectors saw x when it was
+        served. Its ORT call (``model.run_served``) may run on any thread."""
         m = self._engine()
-        if not m.spec.adapts or m.state.frozen or m.state.pause_left > 0:
-            return False
+        if not self._adapting(m):
+            return None
         if self.budget is not None and not self.budget.spend(x.shape[0]):
+            return None
+        return m.begin_served(x)
+
+    def finish_pass(self, served: ServedPass, outputs: tuple[np.ndarray, np.ndarray]) -> bool:
+        """The pass's estimate from its ORT call's ``outputs`` (logits, features) and its
+        update, then the guard watches the step's prediction.
+        A pass the state moved away from since it began (``model.current``: a roll-back, a
+        reset, a state installed) or begun before a pause or a freeze is dropped: its forwards
+        were spent, nothing is written. Returns whether the step ran."""
+        m = self._engine()
+        if not m.current(served) or not self._adapting(m):
             return False
-        prediction = m.adapt_served(x)
+        prediction = m.finish_served(served, outputs)
         if prediction is not None:
             if self.guard is not None:
                 self._watch(self.guard, prediction)
             self._after_change(False)
         return True
+
+    @staticmethod
+    def _adapting(m: AdaptiveModel) -> bool:
+        """Whether the method's step may run now: it adapts, not frozen, no guard pause."""
+        return m.spec.adapts and not m.state.frozen and m.state.pause_left == 0
 
     def _step(self, x: np.ndarray, adapt: bool) -> np.ndarray:
         m = self.model

@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ import numpy as np
 from .budget import ComputeBudget, check_budget
 from .config import AdaptConfig
 from .controller import StepController
-from .estimator import GradientEstimate, Objective, ZerothOrderEstimator
+from .estimator import GradientEstimate, Objective, PreparedEstimate, ZerothOrderEstimator
 from .guard import HealthGuard, alignment_distance
 from .head import HeadError
 from .metadata import ModelMetadata
@@ -71,6 +71,21 @@ def model_fingerprint(metadata: ModelMetadata) -> str:
     h.update(repr([(s.name, s.size) for s in metadata.feature_layout]).encode())
     h.update(np.ascontiguousarray(metadata.theta0, dtype=np.float32).tobytes())
     return h.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class ServedPass:
+    """An adaptation pass on a batch already served (the asynchronous server), begun on the
+    thread that owns the state: the checked batch x [B, C, H, W], the state it estimates on
+    and that state's step index and generation (see :meth:`AdaptiveModel.current`) when it
+    began, how many of its rows are anchor-guided, and its perturbed rows."""
+
+    x: np.ndarray
+    state: AdaptState
+    step: int
+    generation: int
+    n_anchor: int
+    prepared: PreparedEstimate
 
 
 class AdaptiveModel:
@@ -120,6 +135,7 @@ class AdaptiveModel:
         self.seed = int(seed)
         self.last = StepStats()
         self.asynchronous = False
+        self._generation = 0  # counts the jumps of theta that are not steps (see current)
         self.reset()
 
     def _load_shift(self, asked: bool) -> ActivationShift | None:
@@ -206,7 +222,7 @@ class AdaptiveModel:
                 f"{self.method}: #FP (forwards) must be an even number >= 2 "
                 f"(exactly 2 for one-sided methods), got {fp}"
             )
-        check_budget(self.method, config.budget, fp)
+        check_budget(self.method, config.budget, fp, config.budget_burst)
         return config
 
     # ----------------------------------------------------------------- state
@@ -214,6 +230,7 @@ class AdaptiveModel:
         """Back to the source parameters and empty online statistics (same seed)."""
         md = self.metadata
         self.state = AdaptState.initial(md.theta0, md.num_classes, md.num_features, self.seed)
+        self._generation += 1
         self._share = AnchorShare(self.config.anchor_per_64)
         self.control = StepController(self)
         self.last = StepStats()
@@ -230,8 +247,8 @@ class AdaptiveModel:
 
     def set_asynchronous(self, asynchronous: bool = True) -> None:
         """Adapt apart from serving (the asynchronous server): batches are served with
-        :meth:`~.controller.StepController.serve_step` and adapted on later with
-        :meth:`~.controller.StepController.adapt_served`, so the compute budget charges an
+        :meth:`~.controller.StepController.serve_step` and adapted on later by passes
+        (:meth:`~.controller.StepController.begin_pass`), so the compute budget charges an
         adapted sample all its #FP forwards beyond the served one. The guard's windows start
         again."""
         self.asynchronous = bool(asynchronous)
@@ -276,6 +293,7 @@ class AdaptiveModel:
 
     def _install(self, state: AdaptState) -> None:
         self.state = state
+        self._generation += 1
         self.seed = state.seed
         self._share = AnchorShare(self.config.anchor_per_64)
         self._share.credit = state.anchor_credit
@@ -415,26 +433,50 @@ class AdaptiveModel:
         update. Returns the served logits [B, K], whether the shift's change detector saw a
         new stream, and the prediction [B, K] the health guard watches (None: the step was
         skipped, nothing written)."""
-        est, n_anchor = self._estimate(x, served=False)
+        est, n_anchor = self._estimate(x)
         served, shift_changed = self.serve_outputs(est.prediction, est.h_mean)
         self.last.anchor_rows = n_anchor
         return served, shift_changed, self._update(est)
 
-    def adapt_served(self, x: np.ndarray) -> np.ndarray | None:
-        """The method's step on a checked batch x [B, C, H, W] that was already served (the
-        asynchronous server's pass, :attr:`asynchronous`): estimate and update as
-        :meth:`adapt` does, but nothing is served, the activation shift does not see the batch
-        again and its samples are not counted again (its rows are). Returns the prediction
-        [B, K] the health guard watches (None: the step was skipped)."""
-        est, n_anchor = self._estimate(x, served=True)
-        self.last.anchor_rows = n_anchor
+    def begin_served(self, x: np.ndarray) -> ServedPass:
+        """Begin the method's step on a checked batch x [B, C, H, W] that was already served
+        (the asynchronous server's pass, :attr:`asynchronous`): the perturbed rows now, then
+        :meth:`run_served`, then :meth:`finish_served` while the pass is :meth:`current`. As
+        :meth:`adapt`, but nothing is served, the activation shift does not see the batch
+        again and its samples are not counted again (its rows are)."""
+        n_anchor = self._share.take(x.shape[0]) if self.config.sample_wise else 0
+        st = self.state
+        prepared = self.estimator.prepare(x, st, self.seed, st.step, n_anchor)
+        return ServedPass(x, st, st.step, self._generation, n_anchor, prepared)
+
+    def run_served(self, served: ServedPass) -> tuple[np.ndarray, np.ndarray]:
+        """The pass's ORT call over its #FP x B rows: (logits, features). It touches no Python
+        state but the forward counter (locked), so it may run on another thread while that
+        one serves (when ``session.concurrent_calls``), holding the GIL only to enter ORT."""
+        return self.session.run(served.x, served.prepared.rows)
+
+    def current(self, served: ServedPass) -> bool:
+
+        """Whether the state is still the one the pass began on, at the same step: no reset,
+        installed state or roll-back since (its estimate is of a theta no longer there)."""
+        return served.state is self.state and served.generation == self._generation and \
+            served.step == self.state.step
+
+    def finish_served(
+        self, served: ServedPass, outputs: tuple[np.ndarray, np.ndarray]
+    ) -> np.ndarray | None:
+        """The pass's estimate from its ORT call's ``outputs`` and its update; the prediction
+        [B, K] the health guard watches, or None when the step is skipped. Only for a
+        :meth:`current` pass (the estimate reads the state as it was at its start)."""
+        est = self.estimator.combine(served.prepared, *outputs, self.state, control=True)
+        self.last.anchor_rows = served.n_anchor
         return self._update(est)
 
-    def _estimate(self, x: np.ndarray, served: bool) -> tuple[GradientEstimate, int]:
+    def _estimate(self, x: np.ndarray) -> tuple[GradientEstimate, int]:
         """The step's estimate on x, and how many of its rows were anchor-guided."""
         n_anchor = self._share.take(x.shape[0]) if self.config.sample_wise else 0
         est = self.estimator.estimate(
-            x, self.state, self.seed, self.state.step, n_anchor, control=True, count=not served
+            x, self.state, self.seed, self.state.step, n_anchor, control=True
         )
         return est, n_anchor
 
@@ -454,6 +496,7 @@ class AdaptiveModel:
         online statistics started again (they saw the stream that is being left). The
         activation shift's test mean is kept: it follows the input stream, not theta."""
         st = self.state
+        self._generation += 1
         st.healthy_theta = theta.astype(np.float32, copy=True)
         st.theta = st.healthy_theta.copy()
         st.velocity = np.zeros_like(st.velocity)

@@ -35,6 +35,18 @@ class GradientEstimate:
     control: ClippedCoefficients | None = None
 
 
+@dataclass
+class PreparedEstimate:
+    """A step's perturbed rows before the ORT call: the plan, theta rows [#FP x B, P], Z
+    [plan rows, P] (None when regenerated), the batch B and the pairs q."""
+
+    plan: PerturbationPlan
+    rows: np.ndarray
+    z_all: np.ndarray | None
+    batch: int
+    pairs: int
+
+
 class Objective:
     """The per-row objective: shortcut-resistant entropy E_SR of the logits, plus lambda x the
     sample-wise alignment l_SWA of the features to the source statistics (when the model has
@@ -97,7 +109,19 @@ class ZerothOrderEstimator:
         perturbation stream (``seed``, ``step_index``), with ``n_anchor`` anchor-guided rows;
         ``control``: clip the coefficients at their running scale (``state`` is only read; the
         session's forward counter counts the rows, and the batch's samples unless ``count`` is
-        False: they were counted when served)."""
+        False: they were counted when served). :meth:`prepare`, the ORT call, :meth:`combine`."""
+        prepared = self.prepare(x, state, seed, step_index, n_anchor)
+        logits, features = self.session.run(x, prepared.rows)
+        if count:
+            self.session.counter.samples += x.shape[0]
+        return self.combine(prepared, logits, features, state, control)
+
+    def prepare(
+        self, x: np.ndarray, state: AdaptState, seed: int, step_index: int, n_anchor: int
+    ) -> PreparedEstimate:
+        """The perturbed theta rows [#FP x B, P] of the step (and what :meth:`combine` needs);
+        the ORT call on them, ``session.run(x, rows)``, holds no Python state, so it may run
+        on another thread."""
         cfg, st = self.config, state
         batch = x.shape[0]
         d_bar = (
@@ -114,9 +138,16 @@ class ZerothOrderEstimator:
         rows, z_all = self._perturbed_rows(plan, st.theta, batch, pairs)
         if self.prefetch:  # the next step's rows, drawn while ORT runs this one
             self.prefetch.start(seed, step_index + 1, plan.rows, size)
-        logits, features = self.session.run(x, rows)
-        if count:
-            self.session.counter.samples += batch
+        return PreparedEstimate(plan, rows, z_all, batch, pairs)
+
+    def combine(
+        self, prepared: PreparedEstimate, logits: np.ndarray, features: np.ndarray,
+        state: AdaptState, control: bool,
+    ) -> GradientEstimate:
+        """The estimate from the ORT call's logits [#FP x B, K] and features [#FP x B, F] on
+        the prepared rows (``state`` is only read; ``control``: clip the coefficients)."""
+        cfg, st = self.config, state
+        batch, pairs = prepared.batch, prepared.pairs
         half = pairs * batch  # rows j * B + i: pair j, sample i (each half copy-major)
         lower, upper = slice(0, half), slice(half, 2 * half)
         if cfg.two_sided:  # rows theta + mu z (lower half), theta - mu z (upper half)
@@ -152,7 +183,7 @@ class ZerothOrderEstimator:
                 coef, st.coef_scale, st.coef_weight, cfg.coef_clip, cfg.coef_window
             )
             coef = clipped.coef
-        grad = self._gradient(plan, coef, z_all, pairs)
+        grad = self._gradient(prepared.plan, coef, prepared.z_all, pairs)
         return GradientEstimate(prediction, grad, coef, h_mean, h_sq, clipped)
 
     def _perturbed_rows(

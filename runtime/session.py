@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -115,11 +116,20 @@ def open_session(
 @dataclass
 class ForwardCounter:
     """Forward passes counted per sample: one theta row run on one image is one forward.
-    ``ort_seconds``: wall time spent in the session's ORT calls (input packing included)."""
+    ``ort_seconds``: wall time spent in the session's ORT calls (input packing included).
+    ORT calls may come from two threads (the asynchronous server's adaptation pass runs beside
+    serving), so they are recorded under a lock."""
 
     forwards: int = 0
     samples: int = 0
     ort_seconds: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def record(self, rows: int, seconds: float) -> None:
+        """One ORT call over ``rows`` theta rows that took ``seconds``."""
+        with self._lock:
+            self.forwards += rows
+            self.ort_seconds += seconds
 
     @property
     def per_sample(self) -> float:
@@ -255,6 +265,12 @@ class AdaptableSession:
             )
         return x
 
+    @property
+    def concurrent_calls(self) -> bool:
+        """Whether two threads may run this session's ORT calls at once: ORT sessions allow
+        it; IOBinding's one binding and reused output buffers (:class:`BoundRunner`) do not."""
+        return not self.io_binding
+
     def owned(self, array: np.ndarray) -> np.ndarray:
         """``array`` itself, or a copy when it may be an output buffer the next call reuses."""
         return array.copy() if self.io_binding else array
@@ -297,8 +313,7 @@ class AdaptableSession:
             results = [np.concatenate([p[k] for p in parts]) for k in range(len(outputs))]
         else:
             results = self._run(x, theta, outputs, shift)
-        self.counter.forwards += rows
-        self.counter.ort_seconds += time.perf_counter() - start
+        self.counter.record(rows, time.perf_counter() - start)
         return results
 
     def _run(

@@ -4,6 +4,7 @@ theta, adaptation on answered inputs while the worker is idle, within the budget
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -77,17 +78,17 @@ def test_no_input_is_adapted_on_before_its_request_is_answered(started):
     submitted: list[tuple[np.ndarray, object]] = []
     lock = threading.Lock()
     early: list[int] = []
-    adapt = model.control.adapt_served
+    begin = model.control.begin_pass
 
-    def watched(x: np.ndarray) -> bool:
+    def watched(x: np.ndarray):
         with lock:
             for rows, future in submitted:
                 if not future.done() and any(np.array_equal(r, x_row) for r in rows
                                              for x_row in x):
                     early.append(rows.shape[0])
-        return adapt(x)
+        return begin(x)
 
-    model.control.adapt_served = watched
+    model.control.begin_pass = watched
 
     def client(seed: int) -> None:
         for i in range(6):
@@ -103,10 +104,70 @@ def test_no_input_is_adapted_on_before_its_request_is_answered(started):
     for t in threads:
         t.join(60)
     served = sum(rows.shape[0] for rows, _ in submitted)
-    wait_for(lambda: sum(worker.counts().values()) == 2 * served)
-    counts = worker.counts()
+    # settled: no pass running, and fewer rows waiting than start one (max_batch)
+    wait_for(lambda: worker.call(lambda m: worker.counts()).result(30)["adapting_samples"] == 0
+             and worker.counts()["waiting_samples"] < 8)
+    counts = worker.call(lambda m: worker.counts()).result(30)
     assert early == [] and counts["served_samples"] == served and counts["adapted_samples"] > 0
-    assert counts["waiting_samples"] < 8  # a pass starts once max_batch rows wait
+    assert sum(counts.values()) == 2 * served  # each sample served, then adapted on or dropped
+
+
+def held_passes(model: AdaptiveModel) -> tuple[threading.Event, list[tuple[int, int]]]:
+    """Make the model's pass ORT calls wait for the returned event; the list collects each
+    call's thread id and that thread's scheduling policy."""
+    release, seen = threading.Event(), []
+    run = model.run_served
+
+    def held(served):
+        seen.append((threading.get_ident(), os.sched_getscheduler(threading.get_native_id())))
+        assert release.wait(30)
+        return run(served)
+
+    model.run_served = held
+    return release, seen
+
+
+def test_serving_goes_on_while_a_pass_runs(started):
+    """A running pass holds no request: the next batch is answered at the theta before the
+    pass, by the worker, while the pass's ORT call runs on the pass thread (scheduled only on
+    idle CPU); the update lands once the call is done."""
+    model = AdaptiveModel.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
+    reference = AdaptiveModel.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
+    release, seen = held_passes(model)
+    worker = started(model, max_batch=4)
+    worker.submit(images(4, 0)).result(30)
+    wait_for(lambda: seen != [])
+    later = images(4, 1)
+    np.testing.assert_allclose(worker.submit(later).result(30), reference.predict(later),
+                               rtol=1e-6, atol=1e-6)
+    counts = worker.call(lambda m: worker.counts()).result(30)
+    assert counts["adapting_samples"] == 4 and counts["adapted_samples"] == 0
+    ((thread, policy),) = seen
+    assert thread != worker._thread.ident and policy == os.SCHED_IDLE
+    release.set()
+    wait_for(lambda: worker.counts()["adapted_samples"] == 4)
+    assert worker.call(lambda m: m.state.step).result(30) == 1
+
+
+@pytest.mark.parametrize("move", [
+    lambda m: m.reset(),
+    lambda m: m.roll_back(m.metadata.theta0),  # the guard's: the same state object
+    lambda m: m.load_state_bytes(m.state_bytes()),
+], ids=["reset", "roll-back", "state-installed"])
+def test_a_pass_the_state_moved_away_from_is_dropped(started, move):
+    """A reset, roll-back or installed state while the pass's ORT call runs: its update is of a
+    theta no longer there, so it is dropped (counted), and theta stays theta0."""
+    model = AdaptiveModel.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
+    release, seen = held_passes(model)
+    worker = started(model, max_batch=4)
+    worker.submit(images(4, 0)).result(30)
+    wait_for(lambda: seen != [])
+    worker.call(move).result(30)
+    release.set()
+    wait_for(lambda: worker.counts()["dropped_samples"] == 4)
+    state = worker.call(lambda m: (m.state.step, m.state.theta.copy())).result(30)
+    assert worker.counts()["adapted_samples"] == 0 and state[0] == 0
+    np.testing.assert_array_equal(state[1], model.metadata.theta0)
 
 
 def test_budget_one_serves_what_noadapt_shift_serves(started):
@@ -128,10 +189,10 @@ def test_the_budget_charges_an_adapted_sample_its_forwards_beyond_the_served_one
     also paid its served forward."""
     model = AdaptiveModel.load(MODEL, "eva0", {"budget": 1.5, "guard": False}, provider="cpu")
     worker = started(model)
-    for seed in range(200):
+    for seed in range(200):  # each request fills a pass: adapted on or declined, then the next
         worker.submit(images(8, seed)).result(30)
-    wait_for(lambda: worker.counts()["adapted_samples"] + worker.counts()["dropped_samples"]
-             == 1600)
+        wait_for(lambda done=8 * (seed + 1): worker.counts()["adapted_samples"] +
+                 worker.counts()["dropped_samples"] == done)
     counts = worker.counts()
     fps = worker.call(lambda m: m.forwards_per_sample).result(30)
     assert fps == pytest.approx(1 + 2 * counts["adapted_samples"] / counts["served_samples"])
@@ -166,6 +227,6 @@ def test_the_server_reports_served_adapted_and_dropped(tmp_path):
 
         wait_for(lambda: counts()["adapted_samples"] == 4)
         assert counts() == {"served_samples": 4, "adapted_samples": 4, "dropped_samples": 0,
-                            "waiting_samples": 0}
+                            "adapting_samples": 0, "waiting_samples": 0}
     finally:
         server.stop()

@@ -16,29 +16,35 @@ nothing else ever touches the state.
 With ``asynchronous`` (``serve --async-adapt``; EVA-0-family methods) a batch is answered from
 one forward at the current theta (:meth:`~..controller.StepController.serve_step`) as soon as
 it has run, and its rows join the recent inputs (the last ``max_batch`` rows; older ones are
-dropped from adaptation). Once ``max_batch`` rows are waiting and the queue is empty, the
-worker adapts on them in one pass (:meth:`~..controller.StepController.adapt_served`, within
-the compute budget), between requests: a response never waits for an adaptation pass of its
-own batch nor depends on a later request, no input is adapted on before it has been answered,
-and a lone client sending one image at a time meets a pass once every ``max_batch`` requests
-(a pass per request would hold every next request for its 2 x #rows forwards). ``counts``
-says how many samples were served, adapted on, dropped from adaptation and are waiting.
+dropped from adaptation). Once ``max_batch`` rows are waiting, the queue is empty and no pass
+is running, the worker begins a pass on them (:meth:`~..controller.StepController.begin_pass`,
+within the compute budget: the perturbed rows). Its ORT call (the 2 x #rows forwards; the GIL
+released) runs on a second thread that Linux schedules only on CPU nothing else wants
+(SCHED_IDLE; nice 19 where that is refused) while the worker goes on serving; the worker
+computes the estimate and applies the update when the call is done
+(:meth:`~..controller.StepController.finish_pass`, dropped if a roll-back, reset or installed
+state came in between). So serving never waits for a pass, and a busy CPU starves passes, not
+answers. (On a session whose ORT calls share one IOBinding, the CUDA default, the call runs on
+the worker between requests instead.) A response never depends on a later request and no input
+is adapted on before it has been answered. ``counts`` says how many samples were served,
+adapted on, dropped from adaptation, are in the running pass and are waiting.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ..engine import AdaptiveModel
+from ..engine import AdaptiveModel, ServedPass
 from ..methods import RuntimeModel
 from .snapshots import SnapshotStore
 
@@ -60,6 +66,34 @@ class _Control:
 
 _STOP = object()
 _WAKE = object()  # an announced request was withdrawn: look again whether to wait
+_PASS_DONE = object()  # the running pass's ORT call is done (or failed)
+
+# Where SCHED_IDLE is missing or refused: the pass thread's nice value, the lowest priority.
+PASS_NICE = 19
+
+
+def _lower_priority() -> None:
+    """Let the calling thread (the pass's) run only on CPU nothing else wants: Linux's
+    SCHED_IDLE policy (any other runnable thread preempts it at once), else nice 19; set per
+    thread. Where neither is allowed the thread keeps its priority."""
+    thread = threading.get_native_id()
+    try:
+        os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError) as err:
+        log.debug("adaptation pass thread: no SCHED_IDLE (%s), nice %d", err, PASS_NICE)
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, PASS_NICE)
+    except (AttributeError, OSError) as err:
+        log.debug("adaptation pass thread keeps its priority: %s", err)
+
+
+@dataclass
+class _Pass:
+    """The running adaptation pass: what it began on and its ORT call's future."""
+
+    served: ServedPass
+    outputs: Future
 
 
 @dataclass
@@ -96,6 +130,9 @@ class AdaptationWorker:
                                  f"from serving; {model.method} adapts only in its own step")
             model.set_asynchronous()
             self._adaptive = model
+        self._runs = ThreadPoolExecutor(1, "eva0-pass", initializer=_lower_priority) \
+            if self._adaptive is not None and model.session.concurrent_calls else None
+        self._pass: _Pass | None = None
         self._recent: list[np.ndarray] = []
         self._counts = {"served_samples": 0, "adapted_samples": 0, "dropped_samples": 0}
         self.model = model
@@ -167,10 +204,12 @@ class AdaptationWorker:
         return True
 
     def counts(self) -> dict[str, int]:
-        """Samples served, adapted on, dropped from adaptation and waiting for the next pass
-        (asynchronous mode; the synchronous step adapts on what it serves, as its budget
-        allows)."""
-        return {**self._counts, "waiting_samples": self._waiting_rows()}
+        """Samples served, adapted on, dropped from adaptation, in the running pass and waiting
+        for the next (asynchronous mode; the synchronous step adapts on what it serves, as
+        its budget allows)."""
+        running = 0 if self._pass is None else self._pass.served.x.shape[0]
+        return {**self._counts, "adapting_samples": running,
+                "waiting_samples": self._waiting_rows()}
 
     def _waiting_rows(self) -> int:
         return sum(r.shape[0] for r in self._recent)
@@ -184,13 +223,16 @@ class AdaptationWorker:
 
     def _run(self) -> None:
         while True:
-            try:  # with a pass's rows waiting, an empty queue means adapt now
-                full = self._waiting_rows() >= self.max_batch
-                item = self._next(timeout=0 if full else None)
+            try:  # with a pass's rows waiting and none running, an empty queue means adapt now
+                ready = self._pass is None and self._waiting_rows() >= self.max_batch
+                item = self._next(timeout=0 if ready else None)
             except queue.Empty:
                 self._adapt_recent()
                 continue
             if item is _WAKE:
+                continue
+            if item is _PASS_DONE:
+                self._finish_pass()
                 continue
             if item is _STOP:
                 break
@@ -198,6 +240,10 @@ class AdaptationWorker:
                 self._control(item)
                 continue
             self._batch(item)
+        if self._pass is not None:  # the running pass's update is kept
+            self._finish_pass()
+        if self._runs is not None:
+            self._runs.shutdown()
         self.snapshot_now()
 
     def _control(self, item: _Control) -> None:
@@ -279,17 +325,47 @@ class AdaptationWorker:
             rows -= dropped
 
     def _adapt_recent(self) -> None:
-        """The adaptation pass on the recent (answered) rows; they are dropped when the
-        budget or a pause says not now."""
+        """Begin the adaptation pass on the recent (answered) rows, its ORT call on the pass
+        thread (or here, without one); the rows are dropped when the budget or a pause says
+        not now."""
         batch, self._recent = self._recent, []
         x = batch[0] if len(batch) == 1 else np.concatenate(batch)
-        assert self._adaptive is not None  # only asynchronous mode keeps recent rows
+        model = self._adaptive
+        assert model is not None  # only asynchronous mode keeps recent rows
         try:
-            ran = self._adaptive.control.adapt_served(x)
+            served = model.control.begin_pass(x)
         except Exception:  # noqa: BLE001 - the answers went out; serving goes on
             log.exception("adaptation pass failed; its %d samples are dropped", x.shape[0])
+            served = None
+        if served is None:
+            self._counts["dropped_samples"] += x.shape[0]
+            return
+        if self._runs is None:  # one IOBinding: the ORT call here, between requests
+            self._apply(served, lambda: model.run_served(served))
+            return
+        outputs = self._runs.submit(model.run_served, served)
+        self._pass = _Pass(served, outputs)
+        outputs.add_done_callback(lambda _: self._queue.put(_PASS_DONE))
+
+    def _finish_pass(self) -> None:
+        """Apply the running pass, waiting for its ORT call if need be."""
+        running, self._pass = self._pass, None
+        if running is not None:  # None: a late wake-up of a pass finished at stop
+            self._apply(running.served, running.outputs.result)
+
+    def _apply(
+        self, served: ServedPass, outputs: Callable[[], tuple[np.ndarray, np.ndarray]]
+    ) -> None:
+        """The pass's estimate and update from ``outputs()`` through the current controller,
+        which drops a pass the state moved away from."""
+        rows = served.x.shape[0]
+        assert self._adaptive is not None
+        try:
+            ran = self._adaptive.control.finish_pass(served, outputs())
+        except Exception:  # noqa: BLE001 - the answers went out; serving goes on
+            log.exception("adaptation pass failed; its %d samples are dropped", rows)
             ran = False
-        self._counts["adapted_samples" if ran else "dropped_samples"] += x.shape[0]
+        self._counts["adapted_samples" if ran else "dropped_samples"] += rows
         if ran:
             self._count_step()
 
