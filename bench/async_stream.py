@@ -16,9 +16,7 @@ table, ``async_stream.json`` and ``async_stream.png``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +27,6 @@ from .fleet_stream import continual_stream, per_domain, serve_stream
 from .machine import environment
 from .output import machine_line, pyplot, save_figure, write_outputs
 from .serve_load import ServeProcess
-
-
-def statistics(server: ServeProcess, name: str) -> dict[str, Any]:
-    """The served model's adaptation statistics (``GET .../adaptation/statistics``)."""
-    url = f"http://{server.url}/v2/models/{name}/adaptation/statistics"
-    with urllib.request.urlopen(url, timeout=30) as response:
-        return json.loads(response.read())
 
 
 def runs(budgets: list[str]) -> list[tuple[str, str, tuple[str, ...]]]:
@@ -60,7 +51,7 @@ def run(model: str, limit: int, clients: int, budgets: list[str], threads: int,
         server = ServeProcess(model, method, threads, 10.0, "adaptive", 0, extra)
         try:
             predicted = serve_stream(server.url, name, x, clients)
-            stats = statistics(server, name)
+            stats = server.statistics(name)
         finally:
             server.stop()
         accuracy = per_domain(names, predicted == y)

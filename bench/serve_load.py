@@ -19,12 +19,17 @@ numbers are for the whole client + server system.
 ``--replicas 0,1,2`` repeats everything on the plain server (0) and on fleets of 1 and 2 Ray Serve
 replicas (``serve --replicas N``, the [fleet] extra; ``--threads`` is then each replica's ORT
 threads; the rows-per-step column is one replica's, from the ``/metrics`` that answered).
-Output: a table, ``serve_load.json`` and ``serve_load.png``.
+``--rounds N`` repeats the whole sweep N times, interleaved (a slow spell of a shared machine
+then hits every method); the table shows medians over the rounds, images/s and p50 also as the
+median of each round's ratio to NoAdapt's in the same setting, and the forwards per sample the
+server counted over each load (``-`` for a fleet, whose replicas count apart).
+Output: a table, ``serve_load.json`` (every round's rows) and ``serve_load.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
@@ -116,6 +121,17 @@ class ServeProcess:
             for key in ("sum", "count")
         )
 
+    def statistics(self, name: str) -> dict[str, Any]:
+        """The served model's adaptation statistics (``GET .../adaptation/statistics``)."""
+        url = f"http://{self.url}/v2/models/{name}/adaptation/statistics"
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return json.loads(response.read())
+
+    def forward_counts(self, name: str) -> tuple[int, int]:
+        """(forwards, samples) the server's forward counter holds so far."""
+        stats = self.statistics(name)
+        return stats["forwards"], stats["samples"]
+
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)
         self.process.wait(60)
@@ -171,11 +187,14 @@ def run_load(
     model: str, concurrency: list[int], methods: list[str], batch: int = 1, requests: int = 50,
     warmup: int = 3, threads: int | None = None, max_delay_ms: float = 10.0,
     delays: tuple[str, ...] = ("adaptive",), replicas: tuple[int, ...] = (0,),
-    stream: str = RANDOM,
+    stream: str = RANDOM, rounds: int = 1,
 ) -> dict[str, Any]:
     """Run every method under every delay mode ('adaptive', 'fixed') on every server (0: the
-    plain one, N: a fleet of N replicas) at every concurrency; returns the report dict (times in
-    ms)."""
+    plain one, N: a fleet of N replicas) at every concurrency, the whole sweep ``rounds`` times
+    (interleaved, so a slow spell of a shared machine hits every method); returns the report
+    dict (times in ms, one row per run)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     unknown = set(delays) - {"adaptive", "fixed"}
     if unknown:
         raise ValueError(f"unknown delay mode(s) {sorted(unknown)}: use adaptive, fixed")
@@ -184,18 +203,24 @@ def run_load(
     name = Path(model).stem
     env_start = environment()
     rows = []
-    for method, delay, fleet in ((m, d, n) for m in methods for d in delays for n in replicas):
+    sweep = [(m, d, n) for m in methods for d in delays for n in replicas]
+    for round_index, (method, delay, fleet) in ((i, c) for i in range(rounds) for c in sweep):
         served_method, extra = serve_options(method)
         server = ServeProcess(model, served_method, threads, max_delay_ms, delay, fleet, extra)
         try:
             for clients in concurrency:
                 rows_before, steps_before = server.step_counts()
+                counted_before = None if fleet else server.forward_counts(name)
                 latencies, wall = _load(server.url, name, images, batch, clients, requests,
                                        warmup)
                 rows_after, steps_after = server.step_counts()
                 steps = steps_after - steps_before
+                forwards_per_sample = None
+                if counted_before is not None:  # a fleet's replicas count apart
+                    forwards, samples = np.subtract(server.forward_counts(name), counted_before)
+                    forwards_per_sample = float(forwards / samples)
                 rows.append({
-                    "method": method, "delay": delay, "replicas": fleet,
+                    "round": round_index, "method": method, "delay": delay, "replicas": fleet,
                     "concurrency": clients, "batch": batch,
                     "requests": int(latencies.size),
                     "images_per_s": clients * (requests + warmup) * batch / wall,
@@ -203,40 +228,81 @@ def run_load(
                     "p99_ms": 1000 * float(np.percentile(latencies, 99)),
                     "steps": int(steps),
                     "rows_per_step": (rows_after - rows_before) / steps if steps else None,
+                    "forwards_per_sample": forwards_per_sample,
                 })
                 r = rows[-1]
                 print(f"{method} ({delay}, replicas {fleet}) x{clients}: "
                       f"{r['images_per_s']:.1f} img/s, p50 "
-                      f"{r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms", flush=True)
+                      f"{r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, "
+                      f"{_optional(forwards_per_sample)} forwards per sample", flush=True)
         finally:
             server.stop()
     return {
         "model": Path(model).name, "architecture": metadata.architecture,
         "threads": threads or "ort default", "max_delay_ms": max_delay_ms, "stream": stream,
+        "rounds": rounds,
         "environment_start": env_start, "environment_end": environment(), "rows": rows,
     }
 
 
+MEASURES = ("images_per_s", "p50_ms", "p99_ms", "rows_per_step", "forwards_per_sample")
+
+
+def summary(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (method, delay, replicas, concurrency) in run order: the median over the
+    rounds of every measure, and the medians over rounds of images/s and p50 relative to
+    NoAdapt's in the same round and setting (None without a NoAdapt run)."""
+    def setting(r: dict[str, Any]) -> tuple:
+        return r.get("delay", "fixed"), r.get("replicas", 0), r["concurrency"], r["batch"]
+
+    noadapt = {(r.get("round", 0), *setting(r)): r for r in report["rows"]
+               if r["method"] == "noadapt"}
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in report["rows"]:
+        groups.setdefault((r["method"], *setting(r)), []).append(r)
+    out = []
+    for (method, delay, replicas, clients, batch), runs in groups.items():
+        row: dict[str, Any] = {"method": method, "delay": delay, "replicas": replicas,
+                               "concurrency": clients, "batch": batch, "rounds": len(runs)}
+        for key in MEASURES:
+            values = [r[key] for r in runs if r.get(key) is not None]
+            row[key] = float(np.median(values)) if values else None
+        for key, name in (("images_per_s", "images_vs_noadapt"), ("p50_ms", "p50_vs_noadapt")):
+            ratios = [r[key] / base[key] for r in runs
+                      if (base := noadapt.get((r.get("round", 0), *setting(r))))]
+            row[name] = float(np.median(ratios)) if ratios else None
+        out.append(row)
+    return out
+
+
 def markdown(report: dict[str, Any]) -> str:
+    rounds = report.get("rounds", 1)
     lines = [
         f"## Serve load: {report['architecture']} ({report['model']})",
         "",
         f"{machine_line(report)} Server max delay {report['max_delay_ms']} ms; the clients run "
-        f"on the same machine. Requests: {stream_line(report.get('stream', RANDOM))}.",
+        f"on the same machine. Requests: {stream_line(report.get('stream', RANDOM))}. "
+        + (f"Medians over {rounds} interleaved rounds; x NoAdapt: the median of the per-round "
+           "ratios to NoAdapt in the same setting." if rounds > 1 else ""),
         "",
-        "| method | delay | replicas | clients | batch | images/s | p50 ms | p99 ms "
-        "| rows per step |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| method | delay | replicas | clients | batch | images/s | x NoAdapt | p50 ms "
+        "| x NoAdapt | p99 ms | rows per step | fwd/sample |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in report["rows"]:
-        per_step = "-" if r["rows_per_step"] is None else f"{r['rows_per_step']:.2f}"
+    for r in summary(report):
         lines.append(
-            f"| {r['method']} | {r.get('delay', 'fixed')} | {r.get('replicas', 0) or 'plain'} | "
-            f"{r['concurrency']} | {r['batch']} | "
-            f"{r['images_per_s']:.1f} | "
-            f"{r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {per_step} |"
+            f"| {r['method']} | {r['delay']} | {r['replicas'] or 'plain'} | "
+            f"{r['concurrency']} | {r['batch']} | {r['images_per_s']:.1f} | "
+            f"{_optional(r['images_vs_noadapt'])} | {r['p50_ms']:.1f} | "
+            f"{_optional(r['p50_vs_noadapt'])} | {r['p99_ms']:.1f} | "
+            f"{_optional(r['rows_per_step'])} | {_optional(r['forwards_per_sample'])} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _optional(value: float | None) -> str:
+    """A table cell: the value to two decimals, or '-' where there is none."""
+    return "-" if value is None else f"{value:.2f}"
 
 
 def stream_line(stream: str) -> str:
@@ -252,8 +318,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
         n = r.get("replicas", 0)
         return r["method"], r.get("delay", "fixed"), f"x{n}" if n else "plain"
 
-    for method in dict.fromkeys(label(r) for r in report["rows"]):
-        rows = [r for r in report["rows"] if label(r) == method]
+    medians = summary(report)
+    for method in dict.fromkeys(label(r) for r in medians):
+        rows = [r for r in medians if label(r) == method]
         method = " ".join(method)
         c = [r["concurrency"] for r in rows]
         axes[0].plot(c, [r["images_per_s"] for r in rows], "o-", label=method)
@@ -285,6 +352,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stream", default=RANDOM, help="what the requests carry: 'random' (one "
                         "random image) or a Fashion-MNIST-C corruption (severity 5 test images "
                         "in order; for the shipped Fashion-MNIST models)")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat the whole sweep this "
+                        "many times, interleaved; the table shows medians")
     parser.add_argument("--out", help="folder for serve_load.md / .json / .png")
     args = parser.parse_args(argv)
     report = run_load(
@@ -292,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
         [m.strip() for m in args.methods.split(",") if m.strip()], args.batch, args.requests,
         args.warmup, args.threads, args.max_delay_ms,
         tuple(d.strip() for d in args.delays.split(",") if d.strip()),
-        tuple(int(n) for n in args.replicas.split(",")), args.stream,
+        tuple(int(n) for n in args.replicas.split(",")), args.stream, args.rounds,
     )
     print(markdown(report))
     if args.out:

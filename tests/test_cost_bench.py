@@ -163,6 +163,8 @@ def test_quant_and_serve_benchmarks_write_their_outputs(tmp_path):
         ("adaptive", 1), ("adaptive", 2), ("fixed", 1), ("fixed", 2)
     ]
     assert all(r["p99_ms"] >= r["p50_ms"] > 0 for r in report["rows"])
+    # the server's own counter over each load: EVA-0 adapts (> 1), two forwards at most
+    assert all(1.0 < r["forwards_per_sample"] <= 2.0 for r in report["rows"])
     assert (tmp_path / "load" / "serve_load.png").stat().st_size > 10_000
 
 
@@ -191,6 +193,36 @@ def test_serve_load_sends_the_corrupted_stream_in_order(tmp_path):
     assert [(r["method"], r["requests"]) for r in report["rows"]] == [
         ("noadapt", 6), ("eva0+async@1.5", 6)]
     assert "gaussian_noise severity-5 test images" in (tmp_path / "serve_load.md").read_text()
+
+
+def test_serve_load_table_is_the_median_of_interleaved_rounds():
+    """Three rounds: medians of every measure, and the ratio to NoAdapt taken within each
+    round (a slow round slows both) before the median."""
+    from eva0_edge.bench import serve_load
+    from eva0_edge.bench.machine import environment
+
+    def row(index: int, method: str, images: float, p50: float) -> dict:
+        return {"round": index, "method": method, "delay": "adaptive", "replicas": 0,
+                "concurrency": 16, "batch": 1, "images_per_s": images, "p50_ms": p50,
+                "p99_ms": 2 * p50, "rows_per_step": 10.0,
+                "forwards_per_sample": None if method == "noadapt" else 1.5}
+
+    rounds = [(100, 10, 90, 11), (50, 20, 50, 20), (120, 8, 60, 16)]  # round 1 slow for both
+    report = {"rows": [r for i, (a, pa, b, pb) in enumerate(rounds)
+                       for r in (row(i, "noadapt", a, pa), row(i, "eva0+async", b, pb))]}
+    noadapt, adapting = serve_load.summary(report)
+    assert (noadapt["images_per_s"], noadapt["p50_ms"], noadapt["images_vs_noadapt"]) == (
+        100, 10, 1.0)
+    assert noadapt["forwards_per_sample"] is None and adapting["forwards_per_sample"] == 1.5
+    assert adapting["images_per_s"] == 60 and adapting["rounds"] == 3
+    assert adapting["images_vs_noadapt"] == pytest.approx(0.9)  # of 0.9, 1.0, 0.5
+    assert adapting["p50_vs_noadapt"] == pytest.approx(1.1)  # of 1.1, 1.0, 2.0
+    env = environment()
+    table = serve_load.markdown({**report, "architecture": "a", "model": "m.onnx", "rounds": 3,
+                                 "threads": 1,
+                                 "max_delay_ms": 10.0, "environment_start": env,
+                                 "environment_end": env})
+    assert "| eva0+async | adaptive | plain | 16 | 1 | 60.0 | 0.90 | 16.0 | 1.10 |" in table
 
 
 def test_blackbox_table_runs_every_budget_and_writes_outputs(tmp_path):
