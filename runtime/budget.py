@@ -34,12 +34,20 @@ BURST_SAMPLES = 1024
 MAX_BURST_SAMPLES = 1 << 20
 
 
-def check_budget(method: str, budget: float | None, forwards: int) -> None:
+def check_budget(method: str, budget: float | None, forwards: int, burst: int) -> None:
     """ValueError unless ``budget`` (forwards per sample; None: adapt on every batch) is
-    between 1 and ``method``'s own ``forwards``."""
+    between 1 and ``method``'s own ``forwards`` and ``burst`` (``budget_burst``, samples; checked
+    with or without a budget, so a bad value in a config never waits for one) is in range."""
     if budget is not None and not 1 <= budget <= forwards:
         raise ValueError(f"{method}: budget must be between 1 and the method's {forwards} "
                          f"forwards per sample (None: {forwards}), got {budget}")
+    _check_burst(burst)
+
+
+def _check_burst(burst: int) -> None:
+    if not 1 <= burst <= MAX_BURST_SAMPLES:
+        raise ValueError(f"budget_burst must be between 1 and {MAX_BURST_SAMPLES} samples, "
+                         f"got {burst}")
 
 
 class ComputeBudget:
@@ -56,9 +64,7 @@ class ComputeBudget:
         if not 1.0 <= budget <= forwards:
             raise ValueError(f"budget must be between 1 and the method's {forwards} forwards "
                              f"per sample, got {budget}")
-        if not 1 <= burst <= MAX_BURST_SAMPLES:
-            raise ValueError(f"budget_burst must be between 1 and {MAX_BURST_SAMPLES} samples, "
-                             f"got {burst}")
+        _check_burst(burst)
         self.budget = float(budget)
         # forwards an adapted sample pays beyond the served one: the step's own prediction is
         # served (forwards - 1), or, adapting apart from serving (the asynchronous server), none

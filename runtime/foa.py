@@ -135,7 +135,8 @@ class FOAModel:
         )
         if self.config.forwards < 2:
             raise ValueError(f"{base}: #FP (forwards) must be >= 2, got {self.config.forwards}")
-        check_budget(base, self.config.budget, self.config.forwards)
+        check_budget(base, self.config.budget, self.config.forwards,
+                     self.config.budget_burst)
         self.spec = REGISTRY[base]
         self.shift = None  # FOA's activation shifting is its own EMA (head_shift), no window
         self.asynchronous = False  # the asynchronous server adapts EVA-0-family methods only
