@@ -186,6 +186,8 @@ def quantize_ptq4vit(
         "weights": "per output channel",
         "calibration_images": int(len(calibration)),
         "activation_quantizers": dict(Counter(q.kind for q in found.quantizers.values())),
+        "twin_m": {kind: sorted(q.m for q in found.quantizers.values() if q.kind == kind)
+                   for kind in ("twin_softmax", "twin_gelu")},
         "attention_per_head": sum(1 for p in activations if p.kind == "per_head"),
         "weight_tensors": len(found.weight_scales),
     }

@@ -12,9 +12,16 @@ Per layer input (see :mod:`points`):
   multiply after a unit-scale QDQ: ORT 1.32 fuses a per-axis DQ -> MatMul into
   ``MatMulIntegerToFloat``, which then fails at run time (per-channel A is unsupported), so those
   MatMuls stay float (about 4 % of ViT-B's multiply-adds);
-* ``twin_softmax``: both ranges as uint8 codes (zero point 0) clipped to [0, 2^(k-1) - 1],
-  dequantized and recombined with ``Where`` (exact; the consumer is the attention MatMul, which
-  runs in float because its other operand has per-head scales);
+* ``twin_softmax`` (steps d1 = d2 / 2^m and d2 = 2^-(k-1), threshold T = 2^(k-1) d1): when
+  T is on the coarse grid (m <= k - 1), the sum of two QDQ chains and no select: the fine
+  codes clipped to [0, 2^(k-1)] (T's code included) plus the coarse codes clipped below at
+  T / d2 and dequantized with zero point T / d2, i.e. fine(min(x, T)) + coarse(max(x, T)) - T
+  (:func:`quantizers.integer_twin_softmax`). It equals the simulation but on the sliver
+  [T - d1/2, T), which it rounds up to T (a coarse-grid value) where the simulation clamps it
+  to T - d1: one fine step, on values the fine range cannot hold anyway. ``Less`` + ``Where``
+  on the [B, H, N, N] maps cost ViT-B at B = 1 about a tenth of its kernel time. With m > k - 1
+  both ranges are dequantized and recombined with ``Where`` (exact). The consumer is the
+  attention MatMul, which runs in float because its other operand has per-head scales;
 * ``twin_gelu``: one uint8 code (asymmetric: the smallest zero point that reaches GELU's
   minimum, -0.17) with a step searched like the twin's m, so fc2 runs an integer MatMul
   (:func:`quantizers.integer_gelu`). Twin's two ranges would need two integer MatMuls or a
@@ -37,7 +44,13 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .points import WeightPoint
-from .quantizers import NodeBuilder, Quantizer, gelu_zero_point, uniform_codes
+from .quantizers import (
+    NodeBuilder,
+    Quantizer,
+    gelu_zero_point,
+    twin_on_coarse_grid,
+    uniform_codes,
+)
 
 ZERO_POINT = 128
 OUTPUT_BITS = 8
@@ -47,9 +60,11 @@ class _Graph(NodeBuilder):
     """Nodes of the integer encoding: :class:`NodeBuilder` plus QDQ chains."""
 
     def qdq(self, x: str, prefix: str, scale: np.ndarray, zero: np.ndarray,
-            clip: tuple[int, int] | None, axis: int | None = None, out: str | None = None) -> str:
+            clip: tuple[int, int] | None, axis: int | None = None, out: str | None = None,
+            dequantize_zero: np.ndarray | None = None) -> str:
         """QuantizeLinear (uint8) [-> integer Clip] -> DequantizeLinear of tensor ``x``, into
-        tensor ``out`` (a fresh name by default)."""
+        tensor ``out`` (a fresh name by default); ``dequantize_zero``: the DequantizeLinear's
+        zero point when it differs from the QuantizeLinear's (the codes come back shifted)."""
         attrs = {} if axis is None else {"axis": axis}
         s = self.const(prefix, "scale", np.asarray(scale, np.float32))
         z = self.const(prefix, "zero_point", np.asarray(zero, np.uint8))
@@ -58,6 +73,8 @@ class _Graph(NodeBuilder):
             low = self.const(prefix, "low", np.uint8(clip[0]))
             high = self.const(prefix, "high", np.uint8(clip[1]))
             q = self.op("Clip", [q, low, high], prefix, "clip")
+        if dequantize_zero is not None:
+            z = self.const(prefix, "dequantize_zero_point", np.asarray(dequantize_zero, np.uint8))
         return self.op("DequantizeLinear", [q, s, z], prefix, "dequantize", out, **attrs)
 
 
@@ -80,6 +97,12 @@ def _activation(g: _Graph, quantizer: Quantizer, x: str, prefix: str) -> str:
     if quantizer.kind == "twin_softmax":
         d2 = 1.0 / levels
         d1 = d2 / 2**quantizer.m
+        if twin_on_coarse_grid(quantizer):  # T = edge x d2: the sum form, no select
+            edge = levels >> quantizer.m
+            fine = g.qdq(x, prefix, np.float32(d1), np.uint8(0), (0, levels))
+            above = g.qdq(x, prefix, np.float32(d2), np.uint8(0), (edge, levels - 1),
+                          dequantize_zero=np.uint8(edge))
+            return g.op("Add", [fine, above], prefix, "twin")
         fine = g.qdq(x, prefix, np.float32(d1), np.uint8(0), (0, levels - 1))
         coarse = g.qdq(x, prefix, np.float32(d2), np.uint8(0), (0, levels - 1))
         in_fine = g.op("Less", [x, g.const(prefix, "threshold", np.float32(levels * d1))],
@@ -174,6 +197,11 @@ def write_integer(
     approximations = []
     if any(q.kind == "twin_gelu" for q in quantizers.values()):
         approximations.append("twin GELU as one asymmetric code with a searched step")
+    summed = sum(1 for q in quantizers.values()
+                 if q.kind == "twin_softmax" and twin_on_coarse_grid(q))
+    if summed:
+        approximations.append(f"{summed} twin softmax quantizers as a sum of two codes: "
+                              "[T - d1/2, T) rounds up to T")
     if output_scales:
         approximations.append(f"{len(output_scales)} Conv outputs rounded to 8 bits")
     return {"integer_weights": len(weights), "gemm_as_matmul": len(as_matmul),

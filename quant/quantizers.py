@@ -48,6 +48,23 @@ def twin_softmax(x: np.ndarray, m: int, bits: int) -> np.ndarray:
     )
 
 
+def twin_on_coarse_grid(quantizer: Quantizer) -> bool:
+    """Whether a twin softmax quantizer's threshold T = 2^(k-1) d1 is a point of its coarse grid
+    (m <= k - 1): then its integer encoding is a sum of two codes (:func:`integer_twin_softmax`)."""
+    return quantizer.kind == "twin_softmax" and quantizer.m <= quantizer.bits - 1
+
+
+def integer_twin_softmax(x: np.ndarray, m: int, bits: int) -> np.ndarray:
+    """The integer encoding of twin softmax quantization when m <= k - 1:
+    fine(min(x, T)) + coarse(max(x, T)) - T with the fine codes allowed to reach T. Equal to
+    :func:`twin_softmax` but on [T - d1/2, T), which goes to T instead of T - d1."""
+    levels = 2 ** (bits - 1)
+    d2 = 1.0 / levels
+    d1 = d2 / 2**m
+    edge = levels >> m
+    return _clipped(x, d1, 0, levels) + (np.clip(np.round(x / d2), edge, levels - 1) - edge) * d2
+
+
 def twin_gelu(x: np.ndarray, m: int, bits: int) -> np.ndarray:
     """Twin-uniform fake quantization of post-GELU values (see the module docstring)."""
     levels = 2 ** (bits - 1)

@@ -17,6 +17,7 @@ from eva0_edge.quant.quantizers import (
     Quantizer,
     gelu_zero_point,
     integer_gelu,
+    integer_twin_softmax,
     onnx_nodes,
     twin_gelu,
     twin_softmax,
@@ -42,6 +43,20 @@ def test_twin_softmax_matches_hand_computation():
     x = np.array([0.0, 0.01, 0.05, 0.2, 0.26, 0.5, 0.99])
     expected = [0.0, 0.0, 2 / 32, 6 / 32, 2 / 8, 4 / 8, 7 / 8]
     np.testing.assert_allclose(twin_softmax(x, 2, 4), expected)
+
+
+def test_integer_twin_softmax_moves_only_the_sliver_below_the_threshold():
+    """The sum-of-two-codes form equals the simulation everywhere but on [T - d1/2, T), which
+    it rounds up to T (a coarse value) instead of clamping to T - d1 (4 bit, m = 2: T = 0.25,
+    d1 = 1/32)."""
+    x = np.concatenate([np.linspace(0, 1, 4001), [0.234, 0.2343, 0.249, 0.25]])
+    got, want = integer_twin_softmax(x, 2, 4), twin_softmax(x, 2, 4)
+    sliver = (x >= 0.25 - 1 / 64) & (x < 0.25)
+    np.testing.assert_allclose(got[~sliver], want[~sliver], atol=1e-12)
+    assert sliver.sum() > 10
+    np.testing.assert_allclose(got[sliver], 0.25)
+    np.testing.assert_allclose(want[sliver], 0.25 - 1 / 32)
+    assert np.unique(got).size <= 2 * 8  # still values of the two 3-bit grids
 
 
 def test_twin_gelu_matches_hand_computation():
@@ -87,15 +102,17 @@ def _run_nodes(nodes, constants, out, x):
     (Quantizer("uniform", 6, scale=np.float32(0.05)), np.linspace(-3, 3, 102), uniform),
     (Quantizer("uniform", 6, scale=np.array([0.1, 0.3], np.float32).reshape(1, 2, 1, 1)),
      np.linspace(-12, 12, 102), uniform),
-    (Quantizer("twin_softmax", 8, m=3), np.linspace(0, 1, 102), twin_softmax),
-    (Quantizer("twin_softmax", 6, m=4), np.linspace(0, 1, 102), twin_softmax),
+    (Quantizer("twin_softmax", 8, m=3), np.linspace(0, 1, 102), integer_twin_softmax),
+    (Quantizer("twin_softmax", 6, m=4), np.linspace(0, 1, 102), integer_twin_softmax),
+    (Quantizer("twin_softmax", 6, m=5), np.linspace(0, 1, 102), integer_twin_softmax),
+    (Quantizer("twin_softmax", 6, m=7), np.linspace(0, 1, 102), twin_softmax),  # T < d2
     (Quantizer("twin_gelu", 8, m=5, step=0.03), np.linspace(-0.17, 9, 102), integer_gelu),
     (Quantizer("twin_gelu", 6, m=5, step=0.1), np.linspace(-0.17, 9, 102), integer_gelu),
 ])
 def test_integer_encoding_equals_numpy(quantizer, data, expected):
     """The QuantizeLinear / Clip / DequantizeLinear encoding of every quantizer computes what
-    the simulation computes (twin GELU: its one-code stand-in), on values across the range and
-    beyond it (clipping)."""
+    the simulation computes (twin GELU: its one-code stand-in; twin softmax with m <= k - 1:
+    its sum of two codes), on values across the range and beyond it (clipping)."""
     thresholds = np.array([2 ** (quantizer.bits - 1) / 2**quantizer.m / 2 ** (quantizer.bits - 1)
                            if quantizer.kind == "twin_softmax" else 0.0])
     near = (thresholds[:, None] + np.linspace(-0.01, 0.01, 400)[None]).reshape(-1)
@@ -104,6 +121,7 @@ def test_integer_encoding_equals_numpy(quantizer, data, expected):
     x = data.astype(np.float32).reshape(1, 2, -1, 1)
     want = {uniform: lambda v: uniform(v, quantizer.scale, quantizer.bits),
             twin_softmax: lambda v: twin_softmax(v, quantizer.m, quantizer.bits),
+            integer_twin_softmax: lambda v: integer_twin_softmax(v, quantizer.m, quantizer.bits),
             integer_gelu: lambda v: integer_gelu(v, quantizer.step, quantizer.bits)}[expected](x)
     got = _run_nodes(*activation_nodes(quantizer, "x", "q"), x)
     np.testing.assert_allclose(got, want, atol=1e-6)
