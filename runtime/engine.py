@@ -456,7 +456,6 @@ class AdaptiveModel:
         return self.session.run(served.x, served.prepared.rows)
 
     def current(self, served: ServedPass) -> bool:
-
         """Whether the state is still the one the pass began on, at the same step: no reset,
         installed state or roll-back since (its estimate is of a theta no longer there)."""
         return served.state is self.state and served.generation == self._generation and \
