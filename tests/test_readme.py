@@ -7,6 +7,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -55,9 +57,13 @@ def test_the_asynchronous_serving_tables_are_the_committed_runs():
         assert table in readme, f"the README's {run} table is not bench/results/{run}/{stem}.md"
 
 
-def test_the_quantized_speed_table_is_the_committed_run():
-    """``make quant``'s speed table, as bench/results/quant-speed/quant_speed.md has it."""
+@pytest.mark.parametrize("run, stem", [("quant-speed", "quant_speed"),
+                                       ("quant-accuracy", "quant_accuracy")])
+def test_the_quantized_tables_are_the_committed_runs(run, stem):
+    """``make quant``'s tables, as bench/results/quant-{speed,accuracy}/ have them."""
     readme = (ROOT / "README.md").read_text()
-    text = (ROOT / "bench" / "results" / "quant-speed" / "quant_speed.md").read_text()
-    table = "\n".join(line for line in text.splitlines() if line.startswith("|"))
-    assert table in readme and "bench/results/quant-speed/" in readme
+    text = (ROOT / "bench" / "results" / run / f"{stem}.md").read_text()
+    tables = re.findall(r"(?:^\|.*\n?)+", text, flags=re.M)
+    assert tables and f"bench/results/{run}/" in readme
+    for table in tables:
+        assert table.strip() in readme
