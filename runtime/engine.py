@@ -444,7 +444,7 @@ class AdaptiveModel:
         :meth:`run_served`, then :meth:`finish_served` while the pass is :meth:`current`. As
         :meth:`adapt`, but nothing is served, the activation shift does not see the batch
         again and its samples are not counted again (its rows are)."""
-        n_anchor = self._share.take(x.shape[0]) if self.config.sample_wise else 0
+        n_anchor = self._anchor_rows(x.shape[0])
         st = self.state
         prepared = self.estimator.prepare(x, st, self.seed, st.step, n_anchor)
         return ServedPass(x, st, st.step, self._generation, n_anchor, prepared)
@@ -471,9 +471,13 @@ class AdaptiveModel:
         self.last.anchor_rows = served.n_anchor
         return self._update(est)
 
+    def _anchor_rows(self, batch: int) -> int:
+        """How many of a step's ``batch`` rows are anchor-guided (taken from the share)."""
+        return self._share.take(batch) if self.config.sample_wise else 0
+
     def _estimate(self, x: np.ndarray) -> tuple[GradientEstimate, int]:
         """The step's estimate on x, and how many of its rows were anchor-guided."""
-        n_anchor = self._share.take(x.shape[0]) if self.config.sample_wise else 0
+        n_anchor = self._anchor_rows(x.shape[0])
         est = self.estimator.estimate(
             x, self.state, self.seed, self.state.step, n_anchor, control=True
         )
