@@ -79,17 +79,18 @@ def statistics_by_replica(server: ServerProcess, tries: int = 60) -> dict[str, d
     return seen
 
 
-def infer_each(server: ServerProcess, pixels: np.ndarray) -> list[np.ndarray | None]:
-    """One image per request from 8 concurrent clients; None for a failed request."""
+def infer_each(server: ServerProcess, pixels: np.ndarray) -> list[np.ndarray | Exception]:
+    """One image per request from 8 concurrent clients; a failed request's exception in its
+    place (kept for the assertion message)."""
     client = httpclient.InferenceServerClient(server.url, concurrency=8)
 
-    def one(i: int) -> np.ndarray | None:
+    def one(i: int) -> np.ndarray | Exception:
         tensor = httpclient.InferInput("pixel_values", [1, *pixels.shape[1:]], "FP32")
         tensor.set_data_from_numpy(pixels[i : i + 1])
         try:
             return client.infer(NAME, [tensor]).as_numpy("logits")
-        except Exception:  # noqa: BLE001 - a request to a killed replica may fail
-            return None
+        except Exception as err:  # noqa: BLE001 - a request to a killed replica may fail
+            return err
 
     with ThreadPoolExecutor(8) as pool:
         out = list(pool.map(one, range(len(pixels))))
@@ -110,7 +111,9 @@ def test_the_local_ray_instance_listens_on_loopback_only(fleet):
 
 def test_two_replicas_answer_through_the_proxy(fleet, pixels):
     answers = infer_each(fleet, pixels)
-    assert all(a is not None and a.shape == (1, 10) for a in answers)
+    failed = {i: repr(a) for i, a in enumerate(answers) if isinstance(a, Exception)}
+    assert not failed, failed
+    assert all(a.shape == (1, 10) for a in answers)
     predicted = np.array([a.argmax() for a in answers])
     # each request gets its own row back: adaptation moves a few near-ties, a mix-up all
     assert np.mean(predicted == noadapt_predictions(pixels)) >= 0.9
@@ -149,7 +152,7 @@ def test_a_killed_replica_rejoins_from_the_fleet_state(fleet, pixels):
     victim = next(iter(before.values()))["fleet"]
     os.kill(victim["pid"], signal.SIGKILL)
     answers = infer_each(fleet, pixels)  # while Ray restarts it
-    served = [(i, a) for i, a in enumerate(answers) if a is not None]
+    served = [(i, a) for i, a in enumerate(answers) if isinstance(a, np.ndarray)]
     assert len(served) >= len(pixels) // 2
     reference = noadapt_predictions(pixels)
     agree = np.mean([a.argmax() == reference[i] for i, a in served])
