@@ -4,7 +4,11 @@ per-stream reports ``<reports>/<model>-<stream>[-seed<S>]/results.json``. Report
 model and stream at several seeds (``make hostile HOSTILE_SEEDS="0 1 2"``: the seed orders the
 stream and draws the perturbations) make one row: the mean over the seeds, and the worst
 seed's clean gap beside the mean one (500 clean images: one image is 0.2 points, and which
-images a run happens to lose moves the gap by a point).
+images a run happens to lose moves the gap by a point). Where the reports keep their traces
+(``traces.npz``, batch 1) the two methods are compared image by image: the gap's standard
+error (McNemar's, from the images only one of them classifies right; over the seeds,
+sqrt(sum SE^2) / seeds) and where EVA-0's net losses fall, in the first ``EARLY`` (50) clean
+images after the hostile stream or later.
 
     python -m eva0_edge.bench.hostile_summary out/hostile
 
@@ -19,7 +23,36 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .datasets import CLEAN
+from .report import read_traces
+
+EARLY = 50  # clean images right after the hostile stream, where a lagging adapter would lose
+
+
+def paired_clean(traces_path: Path) -> dict[str, Any] | None:
+    """EVA-0 against NoAdapt image by image on the clean images of one batch-1 run: the gap's
+    standard error (points) and EVA-0's net losses (images NoAdapt alone gets right minus those
+    EVA-0 alone gets right) in the first :data:`EARLY` clean images and after; None when the
+    traces are missing or not per image."""
+    if not traces_path.is_file():
+        return None
+    traces = read_traces(traces_path)
+    hits = {}
+    for method in ("noadapt", "eva0"):
+        trace = traces.get(method)
+        if trace is None or np.any(trace["batch_size"] != 1):
+            return None
+        hits[method] = trace["batch_correct"][trace["batch_domain"] == CLEAN].astype(bool)
+    noadapt, eva0 = hits["noadapt"], hits["eva0"]
+    if len(noadapt) != len(eva0) or not len(eva0):
+        return None
+    lost = noadapt & ~eva0
+    won = eva0 & ~noadapt
+    return {"clean_gap_se": round(float(100.0 * np.sqrt(lost.sum() + won.sum()) / len(eva0)), 2),
+            "net_lost_early": int(lost[:EARLY].sum() - won[:EARLY].sum()),
+            "net_lost_later": int(lost[EARLY:].sum() - won[EARLY:].sum())}
 
 
 def runs(reports: Path) -> list[dict[str, Any]]:
@@ -44,6 +77,7 @@ def runs(reports: Path) -> list[dict[str, Any]]:
                                - results["noadapt"]["accuracy"][CLEAN], 1),
             "trips": guard.get("trips"), "audits": guard.get("audits"),
             "images_per_domain": config.get("limit"), "batch_size": config.get("batch_size"),
+            **(paired_clean(path.parent / "traces.npz") or {}),
         })
     return rows
 
@@ -55,7 +89,9 @@ def _mean(values: list[Any]) -> float | None:
 
 def summarise(reports: Path) -> list[dict[str, Any]]:
     """One row per model and stream: the runs' values averaged over their seeds (trips and
-    audits summed), ``worst_gap`` the lowest seed's clean gap, ``seeds`` how many."""
+    audits summed), ``worst_gap`` the lowest seed's clean gap, ``seeds`` how many; with every
+    run's traces, ``gap_se`` the mean gap's standard error and ``net_lost_early`` /
+    ``net_lost_later`` EVA-0's net losses summed over the seeds (None without)."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for run in runs(reports):
         groups.setdefault((run["model"], run["stream"]), []).append(run)
@@ -65,6 +101,11 @@ def summarise(reports: Path) -> list[dict[str, Any]]:
         for key in ("noadapt_stream", "eva0_stream", "noadapt_clean", "eva0_clean", "clean_gap"):
             row[key] = _mean([r[key] for r in group])
         row["worst_gap"] = min(r["clean_gap"] for r in group)
+        paired = all("clean_gap_se" in r for r in group)
+        row["gap_se"] = (round(math.sqrt(sum(r["clean_gap_se"] ** 2 for r in group))
+                               / len(group), 2) if paired else None)
+        for key in ("net_lost_early", "net_lost_later"):
+            row[key] = sum(r[key] for r in group) if paired else None
         for key in ("trips", "audits"):
             counts = [r[key] for r in group if r[key] is not None]
             row[key] = sum(counts) if counts else None
@@ -80,11 +121,15 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         return "-" if value is None else str(value)
 
     lines = ["| model | stream | NoAdapt stream | EVA-0 stream | NoAdapt clean after | "
-             "EVA-0 clean after | gap | worst gap | seeds | trips | audits |", "|---" * 11 + "|"]
+             "EVA-0 clean after | gap | gap SE | worst gap | net lost, first "
+             f"{EARLY} / later | seeds | trips | audits |", "|---" * 13 + "|"]
     for r in rows:
         values = [r[k] for k in ("model", "stream", "noadapt_stream", "eva0_stream",
-                                 "noadapt_clean", "eva0_clean", "clean_gap", "worst_gap")]
-        values += [len(r["seeds"]), r["trips"], r["audits"]]
+                                 "noadapt_clean", "eva0_clean", "clean_gap", "gap_se",
+                                 "worst_gap")]
+        early, later = r.get("net_lost_early"), r.get("net_lost_later")
+        values += [None if early is None else f"{early} / {later}", len(r["seeds"]),
+                   r["trips"], r["audits"]]
         lines.append("| " + " | ".join(cell(v) for v in values) + " |")
     return "\n".join(lines)
 

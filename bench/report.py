@@ -1,10 +1,13 @@
 """Evaluation reports: the paper's table as Markdown, JSON, a PNG of the stream (running
 accuracy of every method; drift ||theta - theta0|| and mean logit norm of the runtime methods) and
 a PNG of accuracy against the measured forwards per sample, with each batch size's Pareto front
-(the runs no cheaper run matches), which the Markdown names too."""
+(the runs no cheaper run matches), which the Markdown names too; ``traces.npz`` keeps every
+method's per-batch hits, so two methods' runs over the same stream compare image by image at
+batch 1 (:func:`read_traces`)."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -159,6 +162,28 @@ def results_json(results: dict[str, StreamResult], spec: dict[str, Any]) -> str:
     return json.dumps(tidy(payload), indent=2)
 
 
+def traces_npz(results: dict[str, StreamResult]) -> bytes:
+    """The per-batch traces of every method as one ``.npz``: ``methods`` [M] (names) and, for
+    method i, ``batch_correct_i`` / ``batch_size_i`` int32 [batches] and ``batch_domain_i``
+    [batches] (domain names), in stream order."""
+    arrays: dict[str, np.ndarray] = {"methods": np.array(list(results), dtype=str)}
+    for i, r in enumerate(results.values()):
+        arrays[f"batch_correct_{i}"] = np.asarray(r.batch_correct, dtype=np.int32)
+        arrays[f"batch_size_{i}"] = np.asarray(r.batch_size, dtype=np.int32)
+        arrays[f"batch_domain_{i}"] = np.array(r.batch_domain, dtype=str)
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def read_traces(path: Path) -> dict[str, dict[str, np.ndarray]]:
+    """``traces.npz`` back: per method, ``batch_correct`` / ``batch_size`` / ``batch_domain``."""
+    with np.load(path, allow_pickle=False) as data:
+        return {str(name): {key: data[f"{key}_{i}"]
+                            for key in ("batch_correct", "batch_size", "batch_domain")}
+                for i, name in enumerate(data["methods"])}
+
+
 def _json_number(value: float) -> float | None:
     """JSON has no NaN: an unscored accuracy is null."""
     return value if np.isfinite(value) else None
@@ -185,8 +210,8 @@ def pareto_lines(results: dict[str, StreamResult]) -> str:
 
 
 def write_report(results: dict, spec: dict[str, Any], out_dir: Path) -> dict[str, Path]:
-    """Write ``results.md``, ``results.json``, ``stream.png`` and ``pareto.png`` into
-    ``out_dir``."""
+    """Write ``results.md``, ``results.json``, ``traces.npz``, ``stream.png`` and ``pareto.png``
+    into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     sizes = spec.get("batch_sizes") or [spec["batch_size"]]
     data = ("clean test images" if spec.get("corruptions") == ["clean"]
@@ -196,9 +221,11 @@ def write_report(results: dict, spec: dict[str, Any], out_dir: Path) -> dict[str
     md = (f"## {title}\n\n{markdown_table(results)}\n\n" + (f"{front}\n\n" if front else "")
           + f"```json\n{json.dumps(spec)}\n```\n")
     paths = {"md": out_dir / "results.md", "json": out_dir / "results.json",
-             "png": out_dir / "stream.png", "pareto": out_dir / "pareto.png"}
+             "traces": out_dir / "traces.npz", "png": out_dir / "stream.png",
+             "pareto": out_dir / "pareto.png"}
     atomic_write_bytes(paths["md"], md.encode())
     atomic_write_bytes(paths["json"], results_json(results, spec).encode())
+    atomic_write_bytes(paths["traces"], traces_npz(results))
     plot_stream(results, title, paths["png"])
     plot_pareto(results, title, paths["pareto"])
     return paths

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from eva0_edge.bench.protocols import StreamResult
-from eva0_edge.bench.report import pareto_front, pareto_lines, write_report
+from eva0_edge.bench.report import pareto_front, pareto_lines, read_traces, write_report
 
 
 def _run(method: str, batch: int, average: float, forwards: float | None) -> StreamResult:
@@ -39,3 +39,14 @@ def test_the_report_names_the_front_and_draws_it(tmp_path):
     paths = write_report(RESULTS, spec, tmp_path)
     assert "Pareto front, B = 64: noadapt-shift" in paths["md"].read_text()
     assert paths["pareto"].stat().st_size > 10_000
+
+
+def test_the_traces_come_back_method_by_method(tmp_path):
+    spec = {"model": "m.onnx", "dataset": "fmnist-c", "severity": 5, "protocol": "continual",
+            "batch_sizes": [1, 64]}
+    traces = read_traces(write_report(RESULTS, spec, tmp_path)["traces"])
+    assert list(traces) == list(RESULTS)
+    for name, result in RESULTS.items():
+        assert traces[name]["batch_correct"].tolist() == result.batch_correct
+        assert traces[name]["batch_size"].tolist() == result.batch_size
+        assert traces[name]["batch_domain"].tolist() == result.batch_domain

@@ -328,4 +328,38 @@ def test_the_hostile_summary_reads_every_stream_report(tmp_path, capsys):
     assert gauss["clean_gap"] == -1.3 and gauss["worst_gap"] == -2.2 and gauss["seeds"] == [0, 1]
     assert gauss["eva0_stream"] == 44.2 and gauss["trips"] == 2
     assert rows["black"]["noadapt_stream"] is None and rows["black"]["clean_gap"] == 0.0
-    assert "| m | black | - | - | 91.4 | 91.4 | 0.0 | 0.0 | 1 | 1 | 2 |" in capsys.readouterr().out
+    assert "| m | black | - | - | 91.4 | 91.4 | 0.0 | - | 0.0 | - | 1 | 1 | 2 |" \
+        in capsys.readouterr().out
+
+
+def test_the_hostile_summary_compares_the_methods_image_by_image(tmp_path):
+    """With the runs' traces: the clean gap's standard error from the images only one method
+    gets right, and where EVA-0's net losses fall (the first 50 clean images or later)."""
+    from eva0_edge.bench.hostile_summary import summarise
+    from eva0_edge.bench.protocols import StreamResult
+    from eva0_edge.bench.report import traces_npz
+
+    def trace(clean_hits: list[int]) -> StreamResult:
+        hits = [0] * 10 + clean_hits  # 10 hostile images first
+        domains = ["gauss-0.3"] * 10 + ["clean"] * len(clean_hits)
+        return StreamResult("m", {}, 1, batch_correct=hits, batch_size=[1] * len(hits),
+                            batch_domain=domains)
+
+    noadapt = [1] * 100
+    eva0 = [0, 0, 0] + [1] * 96 + [0]  # loses 3 early and 1 later
+    eva0[70] = 0
+    noadapt[80] = 0  # and wins one later: b = 5, c = 1
+    for seed in (0, 1):
+        folder = tmp_path / f"m-gauss-0.3-seed{seed}"
+        folder.mkdir()
+        (folder / "results.json").write_text(json.dumps({
+            "spec": {"model": "models/m.onnx", "limit": 100, "batch_size": 1, "seed": seed},
+            "results": {m: {"accuracy": {"gauss-0.3": 0.0, "clean": 100.0 * sum(h) / 100}}
+                        for m, h in (("noadapt", noadapt), ("eva0", eva0))}}))
+        (folder / "traces.npz").write_bytes(
+            traces_npz({"noadapt": trace(noadapt), "eva0": trace(eva0)}))
+    row = summarise(tmp_path)[0]
+    assert row["clean_gap"] == -4.0
+    assert row["gap_se"] == pytest.approx(round(100 * np.sqrt(6) / 100, 2) * np.sqrt(2) / 2,
+                                          abs=0.01)
+    assert (row["net_lost_early"], row["net_lost_later"]) == (6, 2)
