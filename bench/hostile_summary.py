@@ -125,8 +125,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
              f"{EARLY} / later | seeds | trips | audits |", "|---" * 13 + "|"]
     for r in rows:
         values = [r[k] for k in ("model", "stream", "noadapt_stream", "eva0_stream",
-                                 "noadapt_clean", "eva0_clean", "clean_gap", "gap_se",
-                                 "worst_gap")]
+                                 "noadapt_clean", "eva0_clean", "clean_gap")]
+        values += [None if r.get("gap_se") is None else f"{r['gap_se']:.2f}", r["worst_gap"]]
         early, later = r.get("net_lost_early"), r.get("net_lost_later")
         values += [None if early is None else f"{early} / {later}", len(r["seeds"]),
                    r["trips"], r["audits"]]
