@@ -9,9 +9,13 @@ of an EVA-0 step on a quantized model against FP32.
 ``accuracy``: quantizes the model (calibration: 32 clean *train* images, never test; PTQ4ViT both
 as integer kernels and as the fake-quant simulation), then runs
 NoAdapt and EVA-0 on the clean test images and on the 15 severity-5 corruptions (single-domain
-protocol, batch 64, the same seeded subset of ``--limit`` images everywhere) for every
-precision; checks the paper's deployment claim (EVA-0 on the 6-bit model beats NoAdapt on FP32
-in average corrupted accuracy). ``speed``: takes a model file, or exports the architecture with
+protocol, batch 64, the same seeded subset of ``--limit`` images in each) for every
+precision. The integer file against its fake-quant file is a paired comparison: NoAdapt's
+prediction of both on the same ``--paired-limit`` images (default all 10000) of every domain,
+the gaps with their standard errors from the images exactly one of the two classifies right (at
+6 bits either file flips a point or two of a 1000-image domain on its own). Checks the
+paper's deployment claim (EVA-0 on the 6-bit model beats NoAdapt on FP32 in average corrupted
+accuracy). ``speed``: takes a model file, or exports the architecture with
 random weights (cached), quantizes it (PTQ4ViT integer at 8 and 6 bits and fake-quant at 8, and
 ORT's static int8 for reference, each in its own process: time and peak RSS), and times an EVA-0
 step and a NoAdapt forward on each file at each batch size, interleaved round-robin after
@@ -68,17 +72,38 @@ def _accuracy_runs(path: str, domains: list[Domain], batch: int, threads: int | 
     return out
 
 
+def _seeded_subset(total: int, limit: int | None) -> np.ndarray | None:
+    """Sorted indices of a seeded ``limit``-image subset of ``total``; None for all of them."""
+    if not limit or limit >= total:
+        return None
+    return np.sort(np.random.default_rng(0).choice(total, limit, replace=False))
+
+
+def _test_domains(indices: np.ndarray | None) -> list[Domain]:
+    """Clean and the 15 severity-5 corruptions of the test images ``indices`` (None: all)."""
+    images, labels = load_fashion_mnist("test")
+    if indices is not None:
+        images, labels = images[indices], labels[indices]
+    return [Domain("clean", 0, labels, images=images),
+            *fmnist_c_domains(5, "test", indices=indices)]
+
+
+def _noadapt_hits(path: str, domains: list[Domain], batch: int,
+                  threads: int | None) -> dict[str, np.ndarray]:
+    """Per domain, bool [N]: NoAdapt's hit on each image (the paired comparison's input)."""
+    model = AdaptiveModel.load(path, "noadapt", seed=0, provider="cpu", threads=threads)
+    pre = read_metadata(path).preprocessing
+    return {d.name: np.concatenate([model.predict(x).argmax(axis=1) == y
+                                    for x, y in d.batches(batch, pre)]) for d in domains}
+
+
 def run_accuracy(
     model: str, scheme: str, bits: list[int], limit: int | None, out_dir: Path,
-    batch: int = 64, threads: int | None = None,
+    batch: int = 64, threads: int | None = None, paired_limit: int | None = None,
 ) -> dict[str, Any]:
     """Quantize ``model`` at every ``bits`` and measure every precision (see module doc)."""
-    rng = np.random.default_rng(0)
-    test_images, test_labels = load_fashion_mnist("test")
-    indices = np.sort(rng.choice(len(test_labels), limit, replace=False)) if limit else None
-    clean = Domain("clean", 0, test_labels[indices] if limit else test_labels,
-                   images=test_images[indices] if limit else test_images)
-    domains = [clean, *fmnist_c_domains(5, "test", indices=indices)]
+    total = len(load_fashion_mnist("test")[1])
+    domains = _test_domains(_seeded_subset(total, limit))
     calibration = calibration_images(model)
     files = {"fp32": model}
     encodings = (False, True) if scheme == "ptq4vit" else (False,)
@@ -99,10 +124,16 @@ def run_accuracy(
         print(f"{precision}: clean {r['noadapt']['clean']:.2f} / {r['eva0']['clean']:.2f}, "
               f"severity 5 {r['noadapt']['corrupted_average']:.2f} / "
               f"{r['eva0']['corrupted_average']:.2f} (NoAdapt / EVA-0)", flush=True)
+    paired_hits = {}
+    if len(encodings) == 2:
+        paired = _test_domains(_seeded_subset(total, paired_limit))
+        paired_hits = {precision: _noadapt_hits(path, paired, batch, threads)
+                       for precision, path in files.items() if precision != "fp32"}
     lowest = f"w{min(bits)}a{min(bits)}"
     return {
-        "integer_vs_fake": _integer_vs_fake(results, bits) if len(encodings) == 2 else {},
-        "model": Path(model).name, "scheme": scheme, "limit": limit, "batch": batch,
+        "integer_vs_fake": _integer_vs_fake(results, paired_hits, bits) if paired_hits else {},
+        "model": Path(model).name, "scheme": scheme, "limit": limit,
+        "paired_images": paired_limit or total, "batch": batch,
         "protocol": "single", "severity": 5, "calibration_images": CALIBRATION_IMAGES,
         "environment_start": env, "environment_end": environment(), "results": results,
         "claim": {
@@ -115,21 +146,38 @@ def run_accuracy(
     }
 
 
-def _integer_vs_fake(results: dict, bits: list[int]) -> dict[str, dict[str, float]]:
-    """Per width: integer minus fake-quant accuracy (NoAdapt, clean and severity-5 average) and
-    EVA-0's gain over NoAdapt on each file, in points."""
+def _paired_gap(integer: np.ndarray, fake: np.ndarray) -> tuple[float, float, int, int]:
+    """Integer minus fake accuracy (points) on the same images (bool hits [N] each), its
+    standard error 100 sqrt(b + c) / N (McNemar's, b and c the images only one of the two
+    classifies right), b and c."""
+    only_integer, only_fake = int(np.sum(integer & ~fake)), int(np.sum(fake & ~integer))
+    n = len(integer)
+    return (100.0 * (only_integer - only_fake) / n, 100.0 * np.sqrt(only_integer + only_fake) / n,
+            only_integer, only_fake)
+
+
+def _integer_vs_fake(results: dict, hits: dict[str, dict[str, np.ndarray]],
+                     bits: list[int]) -> dict[str, dict[str, float]]:
+    """Per width, from the paired NoAdapt hits: integer minus fake-quant accuracy on clean and
+    averaged over the corruptions, each with its standard error (points); from the protocol
+    runs: EVA-0's gain over NoAdapt (severity-5 average) on each file."""
     out = {}
     for b in bits:
-        integer, fake = results[f"w{b}a{b}"], results[f"w{b}a{b} fake"]
+        integer, fake = hits[f"w{b}a{b}"], hits[f"w{b}a{b} fake"]
+        clean = _paired_gap(integer["clean"], fake["clean"])
+        corrupted = [_paired_gap(integer[d], fake[d]) for d in integer if d != "clean"]
 
         def gain(r: dict) -> float:
             return r["eva0"]["corrupted_average"] - r["noadapt"]["corrupted_average"]
 
         out[f"w{b}a{b}"] = {
-            "clean_gap": integer["noadapt"]["clean"] - fake["noadapt"]["clean"],
-            "corrupted_gap": (integer["noadapt"]["corrupted_average"]
-                              - fake["noadapt"]["corrupted_average"]),
-            "eva0_gain_integer": gain(integer), "eva0_gain_fake": gain(fake),
+            "clean_gap": clean[0], "clean_gap_se": clean[1],
+            "clean_only_integer_right": clean[2], "clean_only_fake_right": clean[3],
+            "corrupted_gap": float(np.mean([g[0] for g in corrupted])),
+            "corrupted_gap_se": float(np.sqrt(sum(g[1] ** 2 for g in corrupted))
+                                      / len(corrupted)),
+            "eva0_gain_integer": gain(results[f"w{b}a{b}"]),
+            "eva0_gain_fake": gain(results[f"w{b}a{b} fake"]),
         }
     return out
 
@@ -151,10 +199,15 @@ def accuracy_markdown(report: dict[str, Any]) -> str:
             f"{r['noadapt']['corrupted_average']:.2f} | {r['eva0']['corrupted_average']:.2f} |"
         )
     if report.get("integer_vs_fake"):
-        lines += ["", "| width | integer - fake, clean | integer - fake, sev-5 | EVA-0 gain "
-                  "integer | EVA-0 gain fake |", "|---|---|---|---|---|"]
+        lines += ["", f"Integer against fake-quant: NoAdapt on the same {report['paired_images']} "
+                  "images of every domain (standard error in brackets).", "",
+                  "| width | integer - fake, clean | clean images only integer / only fake "
+                  "right | integer - fake, sev-5 | EVA-0 gain integer | EVA-0 gain fake |",
+                  "|---|---|---|---|---|---|"]
         for width, g in report["integer_vs_fake"].items():
-            lines.append(f"| {width} | {g['clean_gap']:+.2f} | {g['corrupted_gap']:+.2f} | "
+            lines.append(f"| {width} | {g['clean_gap']:+.2f} ({g['clean_gap_se']:.2f}) | "
+                         f"{g['clean_only_integer_right']} / {g['clean_only_fake_right']} | "
+                         f"{g['corrupted_gap']:+.2f} ({g['corrupted_gap_se']:.2f}) | "
                          f"{g['eva0_gain_integer']:+.2f} | {g['eva0_gain_fake']:+.2f} |")
     claim = report["claim"]
     lines += ["", f"{claim['text']}: {claim['eva0_lowest']:.2f} vs {claim['noadapt_fp32']:.2f} "
@@ -307,7 +360,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--scheme", default="ptq4vit", choices=["ptq4vit", "int8"])
     p.add_argument("--bits", default="8,6")
-    p.add_argument("--limit", type=int, default=1000)
+    p.add_argument("--limit", type=int, default=1000, help="images per corrupted domain")
+    p.add_argument("--paired-limit", type=int,
+                   help="images per domain of the integer / fake-quant paired comparison "
+                   "(default: all 10000)")
     p.add_argument("--threads", type=int)
     p.add_argument("--out", required=True)
     p = sub.add_parser("speed")
@@ -323,7 +379,8 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if args.what == "accuracy":
         report = run_accuracy(args.model, args.scheme, [int(b) for b in args.bits.split(",")],
-                              args.limit, out, threads=args.threads)
+                              args.limit, out, threads=args.threads,
+                              paired_limit=args.paired_limit)
         text = accuracy_markdown(report)
         print(text)
         write_outputs(out, "quant_accuracy", report, text, _plot_accuracy)

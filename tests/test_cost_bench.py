@@ -135,15 +135,28 @@ def test_quantize_reports_its_own_peak_memory_not_its_parents(tmp_path):
     del ballast
 
 
+def test_the_paired_gap_counts_only_the_images_the_two_files_disagree_on():
+    from eva0_edge.bench.quant_eval import _paired_gap
+
+    integer = np.array([1, 1, 1, 0, 1, 0, 1, 1, 0, 0], bool)
+    fake = np.array([1, 0, 0, 1, 1, 0, 1, 0, 0, 0], bool)  # b = 3, c = 1 of N = 10
+    assert _paired_gap(integer, fake) == pytest.approx((20.0, 20.0, 3, 1))
+    assert _paired_gap(fake, fake)[:2] == (0.0, 0.0)
+
+
 def test_quant_and_serve_benchmarks_write_their_outputs(tmp_path):
     from eva0_edge.bench import quant_eval, serve_load
 
     model = str(MODEL)
-    quant_eval.main(["accuracy", "--model", model, "--limit", "20", "--threads", "1",
-                     "--out", str(tmp_path / "acc")])
+    quant_eval.main(["accuracy", "--model", model, "--limit", "20", "--paired-limit", "40",
+                     "--threads", "1", "--out", str(tmp_path / "acc")])
     report = json.loads((tmp_path / "acc" / "quant_accuracy.json").read_text())
     assert set(report["results"]) == {"fp32", "w8a8", "w8a8 fake", "w6a6", "w6a6 fake"}
     assert set(report["integer_vs_fake"]) == {"w8a8", "w6a6"}
+    assert report["paired_images"] == 40
+    for gap in report["integer_vs_fake"].values():
+        assert gap["clean_only_integer_right"] + gap["clean_only_fake_right"] <= 40
+        assert gap["corrupted_gap_se"] >= 0
     assert len(report["results"]["w6a6"]["eva0"]["corrupted"]) == 15
     assert isinstance(report["claim"]["holds"], bool)
     quant_eval.main(["speed", "--model", model, "--batch-sizes", "1,4", "--repeats", "1",
