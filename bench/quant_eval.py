@@ -133,7 +133,7 @@ def run_accuracy(
     return {
         "integer_vs_fake": _integer_vs_fake(results, paired_hits, bits) if paired_hits else {},
         "model": Path(model).name, "scheme": scheme, "limit": limit,
-        "paired_images": paired_limit or total, "batch": batch,
+        "paired_images": min(paired_limit or total, total), "batch": batch,
         "protocol": "single", "severity": 5, "calibration_images": CALIBRATION_IMAGES,
         "environment_start": env, "environment_end": environment(), "results": results,
         "claim": {
