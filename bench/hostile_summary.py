@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .datasets import CLEAN
-from .report import read_traces
+from .report import paired_gap, read_traces
 
 EARLY = 50  # clean images right after the hostile stream, where a lagging adapter would lose
 
@@ -50,7 +50,7 @@ def paired_clean(traces_path: Path) -> dict[str, Any] | None:
         return None
     lost = noadapt & ~eva0
     won = eva0 & ~noadapt
-    return {"clean_gap_se": round(float(100.0 * np.sqrt(lost.sum() + won.sum()) / len(eva0)), 2),
+    return {"clean_gap_se": round(paired_gap(eva0, noadapt)[1], 2),
             "net_lost_early": int(lost[:EARLY].sum() - won[:EARLY].sum()),
             "net_lost_later": int(lost[EARLY:].sum() - won[EARLY:].sum())}
 

@@ -44,6 +44,7 @@ from .fashion_mnist import load_fashion_mnist, train_val_indices
 from .machine import environment, process_peak_rss_mb
 from .output import machine_line, pyplot, save_figure, write_outputs
 from .protocols import run_protocol
+from .report import paired_gap
 from .workload import export_random, random_batch
 
 CALIBRATION_IMAGES = 32
@@ -146,16 +147,6 @@ def run_accuracy(
     }
 
 
-def _paired_gap(integer: np.ndarray, fake: np.ndarray) -> tuple[float, float, int, int]:
-    """Integer minus fake accuracy (points) on the same images (bool hits [N] each), its
-    standard error 100 sqrt(b + c) / N (McNemar's, b and c the images only one of the two
-    classifies right), b and c."""
-    only_integer, only_fake = int(np.sum(integer & ~fake)), int(np.sum(fake & ~integer))
-    n = len(integer)
-    return (100.0 * (only_integer - only_fake) / n, 100.0 * np.sqrt(only_integer + only_fake) / n,
-            only_integer, only_fake)
-
-
 def _integer_vs_fake(results: dict, hits: dict[str, dict[str, np.ndarray]],
                      bits: list[int]) -> dict[str, dict[str, float]]:
     """Per width, from the paired NoAdapt hits: integer minus fake-quant accuracy on clean and
@@ -164,8 +155,8 @@ def _integer_vs_fake(results: dict, hits: dict[str, dict[str, np.ndarray]],
     out = {}
     for b in bits:
         integer, fake = hits[f"w{b}a{b}"], hits[f"w{b}a{b} fake"]
-        clean = _paired_gap(integer["clean"], fake["clean"])
-        corrupted = [_paired_gap(integer[d], fake[d]) for d in integer if d != "clean"]
+        clean = paired_gap(integer["clean"], fake["clean"])
+        corrupted = [paired_gap(integer[d], fake[d]) for d in integer if d != "clean"]
 
         def gain(r: dict) -> float:
             return r["eva0"]["corrupted_average"] - r["noadapt"]["corrupted_average"]

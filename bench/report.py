@@ -162,6 +162,16 @@ def results_json(results: dict[str, StreamResult], spec: dict[str, Any]) -> str:
     return json.dumps(tidy(payload), indent=2)
 
 
+def paired_gap(a: np.ndarray, b: np.ndarray) -> tuple[float, float, int, int]:
+    """Accuracy of ``a`` minus ``b`` (points) on the same images (bool hits [N] each), its
+    standard error 100 sqrt(n_a + n_b) / N (McNemar's, n_a and n_b the images only ``a`` /
+    only ``b`` gets right), n_a and n_b."""
+    only_a, only_b = int(np.sum(a & ~b)), int(np.sum(b & ~a))
+    n = len(a)
+    gap, se = 100.0 * (only_a - only_b) / n, 100.0 * float(np.sqrt(only_a + only_b)) / n
+    return gap, se, only_a, only_b
+
+
 def traces_npz(results: dict[str, StreamResult]) -> bytes:
     """The per-batch traces of every method as one ``.npz``: ``methods`` [M] (names) and, for
     method i, ``batch_correct_i`` / ``batch_size_i`` int32 [batches] and ``batch_domain_i``

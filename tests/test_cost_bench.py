@@ -136,12 +136,12 @@ def test_quantize_reports_its_own_peak_memory_not_its_parents(tmp_path):
 
 
 def test_the_paired_gap_counts_only_the_images_the_two_files_disagree_on():
-    from eva0_edge.bench.quant_eval import _paired_gap
+    from eva0_edge.bench.report import paired_gap
 
     integer = np.array([1, 1, 1, 0, 1, 0, 1, 1, 0, 0], bool)
     fake = np.array([1, 0, 0, 1, 1, 0, 1, 0, 0, 0], bool)  # b = 3, c = 1 of N = 10
-    assert _paired_gap(integer, fake) == pytest.approx((20.0, 20.0, 3, 1))
-    assert _paired_gap(fake, fake)[:2] == (0.0, 0.0)
+    assert paired_gap(integer, fake) == pytest.approx((20.0, 20.0, 3, 1))
+    assert paired_gap(fake, fake)[:2] == (0.0, 0.0)
 
 
 def test_quant_and_serve_benchmarks_write_their_outputs(tmp_path):
