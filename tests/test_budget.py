@@ -211,3 +211,32 @@ def test_the_layers_summary_shares_the_gain_of_the_file_adapting_the_most(tmp_pa
     assert [(r["model"], r["gain"], r["share_of_gain"]) for r in report["accuracy"]] == [
         ("vit_fmnist", 2.0, 1.0), ("resnet_gn_fmnist", 1.5, 0.75)]
     assert (tmp_path / "layers.png").stat().st_size > 0
+
+
+def test_the_seeds_summary_averages_each_seeds_cost_of_the_budget(tmp_path):
+    """Per seed the budget row minus the full-cost row of the same model and batch size; the
+    mean and its standard error over seeds; rows missing from one seed are left out."""
+    import json
+
+    from eva0_edge.bench.budget_seeds import main
+
+    def summary(name: str, budget_avg: float, full_avg: float, extra: bool = False) -> str:
+        rows = [{"model": "m", "batch_size": 64, "method": "eva0 budget 1.5",
+                 "average": budget_avg, "forwards_per_sample": 1.5},
+                {"model": "m", "batch_size": 64, "method": "eva0", "average": full_avg,
+                 "forwards_per_sample": 2.0}]
+        if extra:
+            rows.append({**rows[0], "batch_size": 1})
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "budget.json").write_text(json.dumps({"rows": rows}))
+        return str(tmp_path / name / "budget.json")
+
+    paths = [summary("seed1", 84.0, 84.5, extra=True), summary("seed2", 84.2, 84.3)]
+    assert main([f"first={summary('main', 83.0, 83.6)}", *paths, "--out",
+                 str(tmp_path / "out")]) == 0
+    (row,) = json.loads((tmp_path / "out" / "seeds.json").read_text())["rows"]
+    assert row["differences"] == pytest.approx({"first": -0.6, "seed1": -0.5, "seed2": -0.1})
+    assert row["mean"] == pytest.approx(-0.4)
+    assert row["standard_error"] == pytest.approx(np.std([-0.6, -0.5, -0.1], ddof=1) / 3 ** 0.5)
+    with pytest.raises(SystemExit):
+        main([paths[0], paths[0], "--out", str(tmp_path / "out")])  # one name twice
