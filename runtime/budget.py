@@ -29,8 +29,8 @@ A change that finds the bucket empty waits for it to fill, so on a stream that c
 own credit at once instead (dense for ``burst`` samples after every change, one batch in two at
 F = 1.5) measured worse on the validation split, continual, 1000 images per corruption: the
 ResNet-GN at B = 64 -0.33 from full cost against -0.23 (five seeds, standard error 0.09), the
-ViT -0.42 and -0.36 at B = 16 and 64: dense steps on one stream pay more than the same steps
-spread over two.
+ViT -0.42 and -0.36 at B = 16 and 64 (``bench/results/budget-schedule/``): dense steps on one
+stream pay more than the same steps spread over two.
 
 F = forwards adapts on every batch (the method as it is, bit for bit); F = 1 never adapts: the
 method serves at theta0 with the activation shift, noadapt-shift's forward.
