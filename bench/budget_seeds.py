@@ -35,8 +35,7 @@ def differences(summaries: dict[str, list[dict[str, Any]]], reference: str = "ev
     shared = set.intersection(*(set(k) for k in keyed))
     out = []
     for model, batch, method in sorted(shared):
-        if method == reference or not method.startswith(f"{reference} budget ") or \
-                (model, batch, reference) not in shared:
+        if not method.startswith(f"{reference} budget ") or (model, batch, reference) not in shared:
             continue
         gaps = [k[model, batch, method]["average"] - k[model, batch, reference]["average"]
                 for k in keyed]
