@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +40,9 @@ def differences(summaries: dict[str, list[dict[str, Any]]], reference: str = "ev
             continue
         gaps = [k[model, batch, method]["average"] - k[model, batch, reference]["average"]
                 for k in keyed]
-        n = len(gaps)
-        mean = sum(gaps) / n
-        error = math.sqrt(sum((g - mean) ** 2 for g in gaps) / (n - 1) / n) if n > 1 else None
-        forwards = sum(k[model, batch, method]["forwards_per_sample"] for k in keyed) / n
+        mean = statistics.fmean(gaps)
+        error = statistics.stdev(gaps) / math.sqrt(len(gaps)) if len(gaps) > 1 else None
+        forwards = statistics.fmean(k[model, batch, method]["forwards_per_sample"] for k in keyed)
         out.append({"model": model, "batch_size": batch, "method": method,
                     "reference": reference, "differences": dict(zip(summaries, gaps, strict=True)),
                     "mean": mean, "standard_error": error, "forwards_per_sample": forwards})
