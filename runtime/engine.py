@@ -222,7 +222,8 @@ class AdaptiveModel:
                 f"{self.method}: #FP (forwards) must be an even number >= 2 "
                 f"(exactly 2 for one-sided methods), got {fp}"
             )
-        check_budget(self.method, config.budget, fp, config.budget_burst)
+        check_budget(self.method, config.budget, fp, config.budget_burst,
+                     config.budget_reserve)
         return config
 
     # ----------------------------------------------------------------- state
