@@ -3,11 +3,11 @@
 An adapting method pays ``forwards`` (EVA-0: 2) forwards per sample it adapts on; a batch
 served at the current theta pays one (the activation shift keeps learning from it). A budget
 of F forwards per sample (1 <= F <= forwards) is kept as a bucket of credit counted in extra
-forwards: every sample adds F - 1, adapting on a batch of B takes B (forwards - 1), a duel of
-the health guard takes what it ran beyond one forward per sample. A duel (a trip's pause, an
-audit, the next pause of a hold) starts only when the credit pays for all of it: one it cannot
-pay for is not run, and the candidate gives way to theta0, the side every duel falls back to,
-served with one forward per sample (:mod:`.controller`). The credit goes below 0 only
+forwards: every sample adds F - 1 (one in a guard duel too), adapting on a batch of B takes
+B (forwards - 1), a duel of the health guard takes what it ran beyond one forward per sample.
+A duel (a trip's pause, an audit, the next pause of a hold) starts only when the credit pays
+for all of it: one it cannot pay for is not run, and the candidate gives way to theta0, the
+side every duel falls back to, served with one forward per sample (:mod:`.controller`). The credit goes below 0 only
 when a change of stream lengthens a running duel, and adaptation waits until that is paid for.
 The bucket holds at most ``budget_burst`` (default ``BURST_SAMPLES``, 1024) samples' worth,
 (F - 1) x burst, and starts full, so over any N samples the forward counter reads at most

@@ -259,8 +259,10 @@ class StepController:
         sides = np.stack([st.theta, theta0]) if dueled else st.theta[None]
         logits, features = m.session.run(x, np.repeat(sides, batch, axis=0))
         m.session.counter.samples += batch
-        if dueled and self.budget is not None:
-            self.budget.charge(batch)
+        if self.budget is not None:  # a paused sample earns its credit like a served one
+            self.budget.earn(batch)
+            if dueled:
+                self.budget.charge(batch)
         rows = slice(0, batch) if guard.serving_candidate or not dueled else slice(batch, None)
         served, shift_changed = m.serve_outputs(logits[rows], features[rows])
         if inputs_changed or shift_changed:
