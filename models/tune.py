@@ -31,9 +31,6 @@ budget's bucket (``budget_burst``) was tuned this way, at the budget it serves:
         --set budget=1.5 --grid budget_burst=512,1024,2048 --limit 1000 --clean-limit 1000 \
         --batch-sizes 1,16,64 --max-forwards 1.5 --log models/vit_fmnist.tune-eva0-burst-1.5.json
 
-and so was its reserve (``--grid budget_reserve=0,0.25,0.5,0.75``, logs
-``models/*.tune-eva0-reserve-1.5.json``).
-
 ``--method foa`` runs on the model's prompt variant (``bench.prompt_variant``) by the same rule;
 its default grid is ``lambda_fit`` (the fitness's feature-statistics weight) at the scales above,
 and the winner goes into the shipped file's ``tuned`` values, which the prompt variant carries.

@@ -7,8 +7,9 @@ forwards: every sample adds F - 1 (one in a guard duel too), adapting on a batch
 B (forwards - 1), a duel of the health guard takes what it ran beyond one forward per sample.
 A duel (a trip's pause, an audit, the next pause of a hold) starts only when the credit pays
 for all of it: one it cannot pay for is not run, and the candidate gives way to theta0, the
-side every duel falls back to, served with one forward per sample (:mod:`.controller`). The credit goes below 0 only
-when a change of stream lengthens a running duel, and adaptation waits until that is paid for.
+side every duel falls back to, served with one forward per sample (:mod:`.controller`). The
+credit goes below 0 only when a change of stream lengthens a running duel, and adaptation
+waits until that is paid for.
 The bucket holds at most ``budget_burst`` (default ``BURST_SAMPLES``, 1024) samples' worth,
 (F - 1) x burst, and starts full, so over any N samples the forward counter reads at most
 F N + (F - 1) burst + one lengthening (``guard_warmup`` + B).
@@ -16,25 +17,21 @@ F N + (F - 1) burst + one lengthening (``guard_warmup`` + B).
 Where the credit goes (a token bucket with two speeds):
 
 * **dense** after a change of stream (the start, a change the input detector or the
-  activation shift sees, a guard trip or verdict): every batch is adapted on until the
-  credit is down to ``budget_reserve`` (a share of the bucket; default 0: until it runs out).
-  A new stream is where a step pays (the continual tables: most of EVA-0's gain over the
-  shift alone comes in the first few hundred samples of a corruption);
+  activation shift sees, a guard trip or verdict): every batch is adapted on while the
+  credit lasts. A new stream is where a step pays (the continual tables: most of EVA-0's gain
+  over the shift alone comes in the first few hundred samples of a corruption);
 * **settled** otherwise: a batch is adapted on only when serving it would let the next
   batch's credit overflow the full bucket, so a stream the model has learnt gets the
   budget's average rate spread evenly (F = 1.9: nine batches in ten), and the bucket is full
   again for the next change.
 
-Without a reserve, a change that finds the bucket empty waits for it to fill, so on a stream
-that changes every ``burst`` or so samples the credit goes to every second change, whole; a
-reserve gives every change a share of it. Spending such a change's own credit at once instead
-(dense for ``burst`` samples after every change, one batch in two at F = 1.5) measured worse on
-the validation split, continual, 1000 images per corruption: the ResNet-GN at B = 64 -0.33
-from full cost against -0.23 (five seeds, standard error 0.09), the ViT -0.42 and -0.36 at
-B = 16 and 64 (``bench/results/budget-schedule/``): dense steps on one stream pay more than the
-same steps spread over two. The reserve was tuned per model by the rule the rates use (the
-shipped ResNet-GN carries 0.5, the ViT keeps 0: its gain after a change builds over more
-samples, and a reserve cost it 0.5 at B = 64; ``models/*.tune-eva0-reserve-1.5.json``).
+A change that finds the bucket empty waits for it to fill, so on a stream that changes every
+``burst`` or so samples the credit goes to every second change, whole. Spending such a change's
+own credit at once instead (dense for ``burst`` samples after every change, one batch in two at
+F = 1.5) measured worse on the validation split, continual, 1000 images per corruption: the
+ResNet-GN at B = 64 -0.33 from full cost against -0.23 (five seeds, standard error 0.09), the
+ViT -0.42 and -0.36 at B = 16 and 64 (``bench/results/budget-schedule/``): dense steps on one
+stream pay more than the same steps spread over two.
 
 F = forwards adapts on every batch (the method as it is, bit for bit); F = 1 never adapts: the
 method serves at theta0 with the activation shift, noadapt-shift's forward.
@@ -46,18 +43,14 @@ BURST_SAMPLES = 1024
 MAX_BURST_SAMPLES = 1 << 20
 
 
-def check_budget(
-    method: str, budget: float | None, forwards: int, burst: int, reserve: float = 0.0,
-) -> None:
+def check_budget(method: str, budget: float | None, forwards: int, burst: int) -> None:
     """ValueError unless ``budget`` (forwards per sample; None: adapt on every batch) is
-    between 1 and ``method``'s own ``forwards``, ``burst`` (``budget_burst``, samples) and
-    ``reserve`` (``budget_reserve``, a share of the bucket) are in range (checked with or
-    without a budget, so a bad value in a config never waits for one)."""
+    between 1 and ``method``'s own ``forwards`` and ``burst`` (``budget_burst``, samples; checked
+    with or without a budget, so a bad value in a config never waits for one) is in range."""
     if budget is not None and not 1 <= budget <= forwards:
         raise ValueError(f"{method}: budget must be between 1 and the method's {forwards} "
                          f"forwards per sample (None: {forwards}), got {budget}")
     _check_burst(burst)
-    _check_reserve(reserve)
 
 
 def _check_burst(burst: int) -> None:
@@ -66,35 +59,26 @@ def _check_burst(burst: int) -> None:
                          f"got {burst}")
 
 
-def _check_reserve(reserve: float) -> None:
-    if not 0.0 <= reserve < 1.0:
-        raise ValueError(f"budget_reserve must be a share of the bucket, 0 <= share < 1, "
-                         f"got {reserve}")
-
-
 class ComputeBudget:
     """The bucket for ``budget`` forwards per sample of a method with ``forwards`` per adapted
     sample (``asynchronous``: adapted apart from the served forward, see ``extra``), holding
-    ``burst`` samples' credit, of which the dense phase after a change leaves ``reserve``
-    (a share, 0 <= reserve < 1) for the next change.
+    ``burst`` samples' credit.
     ``credit`` (extra forwards, at most the capacity; below 0 while the guard's duels are being
     paid for) is saved in the adaptation state as ``fill``."""
 
     def __init__(
         self, budget: float, forwards: int, asynchronous: bool = False,
-        burst: int = BURST_SAMPLES, reserve: float = 0.0,
+        burst: int = BURST_SAMPLES,
     ) -> None:
         if not 1.0 <= budget <= forwards:
             raise ValueError(f"budget must be between 1 and the method's {forwards} forwards "
                              f"per sample, got {budget}")
         _check_burst(burst)
-        _check_reserve(reserve)
         self.budget = float(budget)
         # forwards an adapted sample pays beyond the served one: the step's own prediction is
         # served (forwards - 1), or, adapting apart from serving (the asynchronous server), none
         self.extra = forwards if asynchronous else forwards - 1
         self.capacity = (self.budget - 1.0) * burst
-        self.reserve = reserve * self.capacity  # extra forwards the dense phase leaves
         self.credit = self.capacity
         self.dense = True
         self.adapted_samples = 0
@@ -117,7 +101,7 @@ class ComputeBudget:
         self.credit = min(max(share, 0.0), 1.0) * self.capacity
 
     def changed(self) -> None:
-        """A change of stream: spend densely until the credit is down to the reserve."""
+        """A change of stream: spend densely until the credit runs out."""
         self.dense = True
 
     def adapt(self, batch: int) -> bool:
@@ -134,16 +118,15 @@ class ComputeBudget:
 
     def spend(self, batch: int) -> bool:
         """Whether the credit pays for adapting on ``batch`` samples now (dense: whenever it
-        can, the dense phase ending with the batch that takes the credit below the reserve;
-        settled: only when the next batch's credit would overflow the bucket); if so it is
-        taken. Counts the samples as adapted on, or as served only."""
+        can; settled: only when the next batch's credit would overflow the bucket); if so it
+        is taken. Counts the samples as adapted on, or as served only."""
         cost = batch * self.extra
         capacity = max(self.capacity, cost)  # a low budget still affords a large batch now and then
         affordable = self.credit >= cost
         # settled: adapt when serving would let the next batch's credit overflow the bucket
         overflows = self.credit + (self.budget - 1.0) * batch > capacity
         take = affordable and (self.dense or overflows)
-        self.dense = self.dense and affordable and self.credit - cost * take >= self.reserve
+        self.dense = self.dense and affordable
         if take:
             self.credit -= cost
             self.adapted_samples += batch

@@ -63,8 +63,7 @@ class AdaptConfig:
     <= forwards; None = the method's own: adapt on every batch); a batch not adapted on is
     served at the current theta with one forward, the spending dense after a change of
     stream and sparse once the stream is learnt; ``budget_burst``: the samples whose credit
-    the bucket holds (the most a change of stream can spend at once); ``budget_reserve``: the
-    share of the bucket the dense phase after a change leaves for the next change.
+    the bucket holds (the most a change of stream can spend at once).
 
     Activation shift (:mod:`shift`, FOA's, at no forward): the served logits are the head
     applied to its input moved by ``activation_shift`` x (source mean - test mean) of the head
@@ -112,7 +111,6 @@ class AdaptConfig:
     guard_alignment_max: float | None = None
     budget: float | None = None
     budget_burst: int = BURST_SAMPLES
-    budget_reserve: float = 0.0
     activation_shift: float = 0.0
     shift_window: float = 1216.0
     shift_max: float | None = None

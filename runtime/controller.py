@@ -95,8 +95,7 @@ class StepController:
         unbounded = cfg.forwards + 1 if m.asynchronous else cfg.forwards
         if not m.spec.adapts or cfg.budget is None or cfg.budget >= unbounded:
             return None
-        return ComputeBudget(cfg.budget, cfg.forwards, m.asynchronous, cfg.budget_burst,
-                             cfg.budget_reserve)
+        return ComputeBudget(cfg.budget, cfg.forwards, m.asynchronous, cfg.budget_burst)
 
     # ----------------------------------------------------------------- the policy
     def step(self, x: np.ndarray) -> np.ndarray:

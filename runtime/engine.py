@@ -222,8 +222,7 @@ class AdaptiveModel:
                 f"{self.method}: #FP (forwards) must be an even number >= 2 "
                 f"(exactly 2 for one-sided methods), got {fp}"
             )
-        check_budget(self.method, config.budget, fp, config.budget_burst,
-                     config.budget_reserve)
+        check_budget(self.method, config.budget, fp, config.budget_burst)
         return config
 
     # ----------------------------------------------------------------- state

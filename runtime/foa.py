@@ -70,8 +70,7 @@ class FOAConfig:
     shifting on/off; shift_step: its step size; shift_alpha: EMA weight of the new batch in the
     test-time head-input mean. sigma0: CMA-ES initial step size (the search starts at 0).
     budget: average forwards per sample (1 <= budget <= forwards; None: the K-candidate step on
-    every batch), see :mod:`.budget`; budget_burst: the samples whose credit its bucket holds;
-    budget_reserve: the share of it a change of stream leaves for the next one.
+    every batch), see :mod:`.budget`; budget_burst: the samples whose credit its bucket holds.
     """
 
     forwards: int = FOA_FORWARDS
@@ -82,7 +81,6 @@ class FOAConfig:
     sigma0: float = 1.0
     budget: float | None = None
     budget_burst: int = BURST_SAMPLES
-    budget_reserve: float = 0.0
 
     def updated(self, values: dict[str, Any]) -> FOAConfig:
         """A copy with ``values`` applied; ValueError naming any unknown key."""
@@ -138,7 +136,7 @@ class FOAModel:
         if self.config.forwards < 2:
             raise ValueError(f"{base}: #FP (forwards) must be >= 2, got {self.config.forwards}")
         check_budget(base, self.config.budget, self.config.forwards,
-                     self.config.budget_burst, self.config.budget_reserve)
+                     self.config.budget_burst)
         self.spec = REGISTRY[base]
         self.shift = None  # FOA's activation shifting is its own EMA (head_shift), no window
         self.asynchronous = False  # the asynchronous server adapts EVA-0-family methods only
