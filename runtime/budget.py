@@ -7,12 +7,13 @@ forwards: every sample adds F - 1 (one in a guard duel too), adapting on a batch
 B (forwards - 1), a duel of the health guard takes what it ran beyond one forward per sample.
 A duel (a trip's pause, an audit, the next pause of a hold) starts only when the credit pays
 for all of it: one it cannot pay for is not run, and the candidate gives way to theta0, the
-side every duel falls back to, served with one forward per sample (:mod:`.controller`). The
-credit goes below 0 only when a change of stream lengthens a running duel, and adaptation
-waits until that is paid for.
+side every duel falls back to, served with one forward per sample (:mod:`.controller`); so
+does a duel that a change of stream would lengthen beyond what the credit pays for. The credit
+goes below 0 by at most the batch that ends a duel, and adaptation waits until that is paid
+for.
 The bucket holds at most ``budget_burst`` (default ``BURST_SAMPLES``, 1024) samples' worth,
 (F - 1) x burst, and starts full, so over any N samples the forward counter reads at most
-F N + (F - 1) burst + one lengthening (``guard_warmup`` + B).
+F N + (F - 1) burst + B.
 
 Where the credit goes (a token bucket with two speeds):
 
@@ -28,10 +29,12 @@ Where the credit goes (a token bucket with two speeds):
 A change that finds the bucket empty waits for it to fill, so on a stream that changes every
 ``burst`` or so samples the credit goes to every second change, whole. Spending such a change's
 own credit at once instead (dense for ``burst`` samples after every change, one batch in two at
-F = 1.5) measured worse on the validation split, continual, 1000 images per corruption: the
-ResNet-GN at B = 64 -0.33 from full cost against -0.23 (five seeds, standard error 0.09), the
-ViT -0.42 and -0.36 at B = 16 and 64 (``bench/results/budget-schedule/``): dense steps on one
-stream pay more than the same steps spread over two.
+F = 1.5) measured worse on the validation split, continual, 1000 images per corruption (before
+a duel's samples earned their credit): the ResNet-GN at B = 64 -0.33 from full cost against
+-0.23 (five seeds, standard error 0.09), the ViT -0.42 and -0.36 at B = 16 and 64; keeping part
+of the bucket for the next change measured worse on both models once they did
+(``bench/results/budget-schedule/``): dense steps on one stream pay more than the same steps
+spread over two.
 
 F = forwards adapts on every batch (the method as it is, bit for bit); F = 1 never adapts: the
 method serves at theta0 with the activation shift, noadapt-shift's forward.
@@ -135,7 +138,7 @@ class ComputeBudget:
         return take
 
     def charge(self, extra_forwards: float) -> None:
-        """Take forwards the guard spent beyond one per sample (a duel is started only when the
-        credit pays for it; one lengthened by a change of stream may take the credit below 0,
-        and adaptation then waits until it is paid for)."""
+        """Take forwards the guard spent beyond one per sample (a duel is started, and
+        lengthened, only when the credit pays for it; its last batch may take the credit below
+        0, and adaptation then waits until that is paid for)."""
         self.credit -= extra_forwards

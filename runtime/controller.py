@@ -267,6 +267,8 @@ class StepController:
         if inputs_changed or shift_changed:
             # the verdict is about the stream that follows: judge it on that stream alone
             guard.restart_windows()
+            if dueled and not self._affords_duel(guard.warmup + batch):
+                self._lose_duel("a duel lengthened by a change of stream")
             st.pause_left = max(st.pause_left, guard.warmup + batch)
         guard.observe_pause(logits, features, dueled)
         st.pause_left = max(0, st.pause_left - batch)

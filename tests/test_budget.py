@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from eva0_edge.bench.datasets import corrupted_fmnist
 from eva0_edge.bench.fashion_mnist import load_fashion_mnist
 from eva0_edge.runtime.budget import BURST_SAMPLES, ComputeBudget
 from eva0_edge.runtime.engine import AdaptiveModel
@@ -124,6 +125,27 @@ def test_samples_in_the_guards_duels_earn_their_credit_too(fmnist_clean):
     extra = after["forwards"] - before["forwards"] - samples
     assert samples == 64 and extra == 64  # dueled: two forwards a sample
     assert model.budget.credit == pytest.approx(credit + 0.5 * samples - extra)
+
+
+def test_a_duel_is_lengthened_only_while_the_credit_pays_for_it():
+    """Clean and noisy images in turns of 48 samples, a change of stream inside every duel:
+    each change lengthens the running duel only while the credit pays for it, else theta0
+    wins it; so the credit never goes below one batch's debt and the forward counter stays
+    within the budget and its bucket (it lengthened the first duel to the end of the stream,
+    two forwards a sample at budget 1.5, 520 forwards in debt)."""
+    pre = read_metadata(RESNET).preprocessing
+    n, batch = 2048, 16
+    clean, noisy = (preprocess_uint8(corrupted_fmnist("test", kind, 1, 0, indices=np.arange(n),
+                                                      progress=False)[0], pre)
+                    for kind in ("clean", "gauss-0.3"))
+    model = AdaptiveModel.load(RESNET, "eva0", {"budget": 1.5}, threads=1)
+    lowest = 0.0
+    for i in range(0, n, batch):
+        model.step((noisy if (i // 48) % 2 else clean)[i:i + batch])
+        lowest = min(lowest, model.budget.credit)
+    assert model.stats()["guard"]["audits"] >= 1
+    assert lowest >= -batch
+    assert model.stats()["forwards_per_sample"] <= 1.5 + (0.5 * BURST_SAMPLES + batch) / n
 
 
 def test_a_budget_of_one_forward_is_the_activation_shift_alone(fmnist_clean):
