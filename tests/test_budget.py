@@ -127,6 +127,7 @@ def test_samples_in_the_guards_duels_earn_their_credit_too(fmnist_clean):
     assert model.budget.credit == pytest.approx(credit + 0.5 * samples - extra)
 
 
+@pytest.mark.integration  # a Fashion-MNIST stream
 def test_a_duel_is_lengthened_only_while_the_credit_pays_for_it():
     """Clean and noisy images in turns of 48 samples, a change of stream inside every duel:
     each change lengthens the running duel only while the credit pays for it, else theta0
