@@ -24,8 +24,11 @@ to ``models/<name>.tune-<method>.json``.
 
 ``--set KEY=VALUE`` runs every configuration with a value that is not tuned, ``--protocols``
 picks the corrupted protocols scored, and ``--max-forwards F`` makes a configuration eligible
-only when every corrupted cell's measured forwards per sample stays within F. The compute
-budget's bucket (``budget_burst``) was tuned this way, at the budget it serves:
+only when every corrupted cell's measured forwards per sample stays within what a budget of F
+may spend there: F plus the full bucket the budget starts with and one batch, spread over the
+samples the bucket serves (``runtime.budget.forwards_bound``; a strict F marked every spent
+budget ineligible: 1.5008 at F = 1.5 over 15000 samples). The compute budget's bucket
+(``budget_burst``) was tuned this way, at the budget it serves:
 
     python models/tune.py --model models/vit_fmnist.onnx --method eva0 --protocols continual \
         --set budget=1.5 --grid budget_burst=512,1024,2048 --limit 1000 --clean-limit 1000 \
@@ -53,6 +56,8 @@ from typing import Any
 from eva0_edge.bench.backprop import PAPER_LR
 from eva0_edge.bench.evaluate import BACKPROP, EvalSpec, evaluate
 from eva0_edge.bench.prompt_variant import tune_log_path
+from eva0_edge.bench.protocols import StreamResult
+from eva0_edge.runtime.budget import forwards_bound
 from eva0_edge.runtime.config import AdaptConfig, parse_key_values
 from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.foa import FOA_METHODS, FOAConfig
@@ -96,33 +101,47 @@ def parse_grid(items: list[str]) -> list[dict[str, Any]]:
 
 def score(
     args: argparse.Namespace, method: str, overrides: dict[str, Any]
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Accuracy (%) per cell, ``<protocol> B=<b>`` (corrupted average) and ``clean B=<b>``, and
-    each corrupted cell's measured forwards per sample; ``args.fixed`` applies under
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """Accuracy (%) per cell, ``<protocol> B=<b>`` (corrupted average) and ``clean B=<b>``,
+    each corrupted cell's measured forwards per sample, and (with ``args.max_forwards``) the
+    most a budget of that many forwards may spend in the cell; ``args.fixed`` applies under
     ``overrides``."""
     common = dict(
         model=args.model, dataset="fmnist-c", severity=args.severity, batch_size=64,
         methods=[method], batch_sizes=args.batch_sizes, split="val",
         overrides={**args.fixed, **overrides}, provider="cpu", threads=args.threads,
     )
-    cells, forwards = {}, {}
+    cells, forwards, bounds = {}, {}, {}
     for protocol in args.protocols:
         results = evaluate(EvalSpec(protocol=protocol, limit=args.limit, **common), progress=False)
-        cells.update({f"{protocol} B={r.batch}": r.average for r in results.values()})
-        forwards.update({f"{protocol} B={r.batch}": r.forwards_per_sample
-                         for r in results.values()})
+        for r in results.values():
+            cell = f"{protocol} B={r.batch}"
+            cells[cell], forwards[cell] = r.average, r.forwards_per_sample
+            if args.max_forwards is not None:
+                bounds[cell] = spending_bound(args.max_forwards, protocol, r)
     clean = evaluate(
         EvalSpec(protocol="single", limit=args.clean_limit, corruptions=["clean"], **common),
         progress=False,
     )
     cells.update({f"clean B={r.batch}": r.average for r in clean.values()})
-    return cells, forwards
+    return cells, forwards, bounds
+
+
+def spending_bound(budget: float, protocol: str, result: StreamResult) -> float:
+    """The forwards per sample a budget of ``budget`` may spend on ``result``'s stream: its own
+    bucket's start and one batch over the samples between resets (the whole continual stream,
+    one domain of the single protocol); ``budget`` itself when the run had no budget."""
+    spent = result.final_stats.get("budget")
+    if spent is None:
+        return budget
+    runs = 1 if protocol == "continual" else len(result.accuracy)
+    return forwards_bound(budget, spent["burst"], sum(result.batch_size) // runs, result.batch)
 
 
 def noadapt_reference(args: argparse.Namespace) -> dict[str, float]:
     """NoAdapt on the same images (it does not depend on the batch size)."""
     args_64 = argparse.Namespace(**{**vars(args), "batch_sizes": [64], "fixed": {}})
-    cells, _ = score(args_64, "noadapt", {})
+    cells, _, _ = score(args_64, "noadapt", {})
     return {
         f"{kind} B={b}": cells[f"{kind} B=64"]
         for kind in (*args.protocols, "clean") for b in args.batch_sizes
@@ -135,7 +154,9 @@ def choose(
 ) -> dict:
     """The rule of the module docstring; marks each row ``eligible``, ``mean_corrupted``,
     ``worst_corrupted`` and ``worst_gain``. With ``max_forwards`` a row is eligible only when
-    every corrupted cell's measured forwards per sample stays within it."""
+    every corrupted cell's measured forwards per sample stays within the row's
+    ``forwards_bound`` for the cell (:func:`spending_bound`; ``max_forwards`` where a log has
+    none)."""
     for row in rows:
         cells = row["cells"]
         gains = {k: cells[k] - reference[k] for k in cells}
@@ -143,8 +164,10 @@ def choose(
         row["mean_corrupted"] = sum(corrupted) / len(corrupted)
         row["worst_corrupted"] = min(corrupted)
         row["worst_gain"] = min(gains.values())
+        bounds = row.get("forwards_bound", {})
         row["eligible"] = all(gains[k] >= -margin for k in gains if k.startswith("clean")) and (
-            max_forwards is None or all(f <= max_forwards for f in row["forwards"].values()))
+            max_forwards is None or all(f <= bounds.get(k, max_forwards)
+                                        for k, f in row["forwards"].items()))
     eligible = [r for r in rows if r["eligible"]]
     if eligible:
         return max(eligible, key=lambda r: (r["worst_corrupted"], r["mean_corrupted"]))
@@ -253,9 +276,10 @@ def main() -> None:
     print(json.dumps({"noadapt": reference}), flush=True)
 
     def scored(config: dict[str, Any]) -> dict[str, Any]:
-        cells, forwards = score(args, args.method, config)
-        print(json.dumps({"config": config, "cells": cells, "forwards": forwards}), flush=True)
-        return {"config": config, "cells": cells, "forwards": forwards}
+        cells, forwards, bounds = score(args, args.method, config)
+        row = {"config": config, "cells": cells, "forwards": forwards, "forwards_bound": bounds}
+        print(json.dumps(row), flush=True)
+        return row
 
     rows = [scored(config) for config in configs]
     best = choose(rows, reference, args.clean_margin, args.max_forwards)

@@ -13,7 +13,7 @@ goes below 0 by at most the batch that ends a duel, and adaptation waits until t
 for.
 The bucket holds at most ``budget_burst`` (default ``BURST_SAMPLES``, 1024) samples' worth,
 (F - 1) x burst, and starts full, so over any N samples the forward counter reads at most
-F N + (F - 1) burst + B.
+F N + (F - 1) burst + B (:func:`forwards_bound`).
 
 Where the credit goes (a token bucket with two speeds):
 
@@ -56,6 +56,14 @@ def check_budget(method: str, budget: float | None, forwards: int, burst: int) -
     _check_burst(burst)
 
 
+def forwards_bound(budget: float, burst: int, samples: int, batch: int) -> float:
+    """The most forwards per sample the counter reads over ``samples`` samples served in
+    batches of ``batch`` at ``budget`` F with a bucket of ``burst`` samples' credit: F, plus
+    the full bucket it starts with and the batch that may end a duel, spread over the samples:
+    F + ((F - 1) burst + batch) / samples."""
+    return budget + ((budget - 1.0) * burst + batch) / samples
+
+
 def _check_burst(burst: int) -> None:
     if not 1 <= burst <= MAX_BURST_SAMPLES:
         raise ValueError(f"budget_burst must be between 1 and {MAX_BURST_SAMPLES} samples, "
@@ -81,6 +89,7 @@ class ComputeBudget:
         # forwards an adapted sample pays beyond the served one: the step's own prediction is
         # served (forwards - 1), or, adapting apart from serving (the asynchronous server), none
         self.extra = forwards if asynchronous else forwards - 1
+        self.burst = burst
         self.capacity = (self.budget - 1.0) * burst
         self.credit = self.capacity
         self.dense = True
@@ -88,9 +97,9 @@ class ComputeBudget:
         self.served_samples = 0
 
     def summary(self) -> dict[str, float | int]:
-        """What ``stats()["budget"]`` reports: the budget, the bucket's fill and the samples
-        adapted on and served only."""
-        return {"forwards_per_sample": self.budget, "fill": self.fill,
+        """What ``stats()["budget"]`` reports: the budget, the bucket's size (samples' credit)
+        and fill, and the samples adapted on and served only."""
+        return {"forwards_per_sample": self.budget, "burst": self.burst, "fill": self.fill,
                 "adapted_samples": self.adapted_samples, "served_samples": self.served_samples}
 
     @property
