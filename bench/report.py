@@ -224,8 +224,10 @@ def write_report(results: dict, spec: dict[str, Any], out_dir: Path) -> dict[str
     into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     sizes = spec.get("batch_sizes") or [spec["batch_size"]]
-    data = ("clean test images" if spec.get("corruptions") == ["clean"]
-            else f"{spec['dataset']} severity {spec['severity']}")
+    split = spec.get("split") or "test"
+    data = (f"clean {split} images" if spec.get("corruptions") == ["clean"]
+            else f"{spec['dataset']} severity {spec['severity']}"
+            + ("" if split == "test" else f", {split} split"))
     title = f"{spec['model']} - {data}, {spec['protocol']}, batch {','.join(map(str, sizes))}"
     front = pareto_lines(results)
     md = (f"## {title}\n\n{markdown_table(results)}\n\n" + (f"{front}\n\n" if front else "")

@@ -50,3 +50,17 @@ def test_the_traces_come_back_method_by_method(tmp_path):
         assert traces[name]["batch_correct"].tolist() == result.batch_correct
         assert traces[name]["batch_size"].tolist() == result.batch_size
         assert traces[name]["batch_domain"].tolist() == result.batch_domain
+
+
+def test_the_title_names_the_split_a_run_read(tmp_path):
+    """A tuning run on the validation split is never titled as test images."""
+    spec = {"model": "m.onnx", "dataset": "fmnist-c", "severity": 5, "protocol": "single",
+            "batch_size": 1}
+    titles = {}
+    for split, corruptions in (("val", ["clean"]), ("test", ["clean"]), ("val", None)):
+        out = tmp_path / f"{split}-{corruptions}"
+        text = write_report(RESULTS, {**spec, "split": split, "corruptions": corruptions}, out)
+        titles[split, bool(corruptions)] = text["md"].read_text().splitlines()[0]
+    assert titles["val", True] == "## m.onnx - clean val images, single, batch 1"
+    assert titles["test", True] == "## m.onnx - clean test images, single, batch 1"
+    assert titles["val", False] == "## m.onnx - fmnist-c severity 5, val split, single, batch 1"
