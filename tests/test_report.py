@@ -59,8 +59,8 @@ def test_the_title_names_the_split_a_run_read(tmp_path):
     titles = {}
     for split, corruptions in (("val", ["clean"]), ("test", ["clean"]), ("val", None)):
         out = tmp_path / f"{split}-{corruptions}"
-        text = write_report(RESULTS, {**spec, "split": split, "corruptions": corruptions}, out)
-        titles[split, bool(corruptions)] = text["md"].read_text().splitlines()[0]
+        paths = write_report(RESULTS, {**spec, "split": split, "corruptions": corruptions}, out)
+        titles[split, bool(corruptions)] = paths["md"].read_text().splitlines()[0]
     assert titles["val", True] == "## m.onnx - clean val images, single, batch 1"
     assert titles["test", True] == "## m.onnx - clean test images, single, batch 1"
     assert titles["val", False] == "## m.onnx - fmnist-c severity 5, val split, single, batch 1"
