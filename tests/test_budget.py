@@ -146,7 +146,7 @@ def test_a_duel_is_lengthened_only_while_the_credit_pays_for_it():
         lowest = min(lowest, model.budget.credit)
     assert model.stats()["guard"]["audits"] >= 1
     assert lowest >= -batch
-    assert model.stats()["forwards_per_sample"] <= 1.5 + (0.5 * BURST_SAMPLES + batch) / n
+    assert model.stats()["forwards_per_sample"] <= forwards_bound(1.5, BURST_SAMPLES, n, batch)
 
 
 def test_a_budget_of_one_forward_is_the_activation_shift_alone(fmnist_clean):
