@@ -74,7 +74,7 @@ def _large(x: np.ndarray, seed: int | None = None, sigma: float = 0.0) -> np.nda
 def test_large_images_are_described_from_a_subgrid_that_estimates_the_whole():
     """224 x 224: stride 7, a 32 x 32 subgrid; its descriptors follow the full image's (the
     brightness and contrast within sampling error, the roughness's order kept); 32 x 32: the
-    full image, bit for bit."""
+    full image (float32 sums: within 2e-5 of float64 ones)."""
     from eva0_edge.runtime.inputwatch import GRID
 
     small = _images("clean", 0, 64)
@@ -85,7 +85,7 @@ def test_large_images_are_described_from_a_subgrid_that_estimates_the_whole():
     variance = small.var(axes, dtype=f64)
     full = np.stack([small.mean(axes, dtype=f64), np.log(variance + 1e-6),
                      np.log((full_edges + 1e-6) / (variance + 1e-6))], axis=1)
-    np.testing.assert_array_equal(describe(small), full)
+    np.testing.assert_allclose(describe(small), full, rtol=0, atol=2e-5)
     assert small.shape[2] == GRID
     clean, noisy = describe(_large(small)), describe(_large(small, 0, 0.5))
     np.testing.assert_allclose(clean[:, 0], small[:, :1].mean(axis=axes), atol=0.1)
