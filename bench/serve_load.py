@@ -20,9 +20,11 @@ numbers are for the whole client + server system.
 replicas (``serve --replicas N``, the [fleet] extra; ``--threads`` is then each replica's ORT
 threads; the rows-per-step column is one replica's, from the ``/metrics`` that answered).
 ``--rounds N`` repeats the whole sweep N times, interleaved (a slow spell of a shared machine
-then hits every method); the table shows medians over the rounds, images/s and p50 also as the
-median of each round's ratio to NoAdapt's in the same setting, and the forwards per sample the
-server counted over each load (``-`` for a fleet, whose replicas count apart).
+then hits every method), each round starting one setting later than the one before (a
+rotation: a fixed order can favour a position); the table shows medians over the rounds,
+images/s and p50 also as the median of each round's ratio to NoAdapt's in the same setting,
+and the forwards per sample the server counted over each load (``-`` for a fleet, whose
+replicas count apart).
 Output: a table, ``serve_load.json`` (every round's rows) and ``serve_load.png``.
 """
 
@@ -183,6 +185,15 @@ def stream_images(metadata, stream: str, batch: int) -> np.ndarray:
     return preprocess_uint8(images, metadata.preprocessing)
 
 
+def round_order(sweep: list[Any], rounds: int) -> list[tuple[int, Any]]:
+    """(round, setting) in run order: round i runs ``sweep`` rotated by i, so that over
+    ``len(sweep)`` rounds every setting runs once in every position. With a fixed order, in
+    five rounds of sixteen clients with NoAdapt first, noadapt-shift (one forward and 30 us of
+    NumPy per batch more) read 0.96x NoAdapt's images/s, and in four with the order reversed
+    0.99x: a position effect or noise, either as large as a serving target's margin."""
+    return [(i, sweep[(i + k) % len(sweep)]) for i in range(rounds) for k in range(len(sweep))]
+
+
 def run_load(
     model: str, concurrency: list[int], methods: list[str], batch: int = 1, requests: int = 50,
     warmup: int = 3, threads: int | None = None, max_delay_ms: float = 10.0,
@@ -204,7 +215,7 @@ def run_load(
     env_start = environment()
     rows = []
     sweep = [(m, d, n) for m in methods for d in delays for n in replicas]
-    for round_index, (method, delay, fleet) in ((i, c) for i in range(rounds) for c in sweep):
+    for round_index, (method, delay, fleet) in round_order(sweep, rounds):
         served_method, extra = serve_options(method)
         server = ServeProcess(model, served_method, threads, max_delay_ms, delay, fleet, extra)
         try:

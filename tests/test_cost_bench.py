@@ -208,6 +208,18 @@ def test_serve_load_sends_the_corrupted_stream_in_order(tmp_path):
     assert "gaussian_noise severity-5 test images" in (tmp_path / "serve_load.md").read_text()
 
 
+def test_serve_load_rounds_rotate_so_every_setting_runs_once_in_every_position():
+    from eva0_edge.bench.serve_load import round_order
+
+    sweep = ["noadapt", "noadapt-shift", "eva0+async@1.5"]
+    order = round_order(sweep, 6)
+    assert [r for r, _ in order] == [r for r in range(6) for _ in sweep]
+    rounds = [[s for r, s in order if r == i] for i in range(6)]
+    assert all(sorted(settings) == sorted(sweep) for settings in rounds)
+    for position in range(len(sweep)):  # each setting twice in each position over six rounds
+        assert sorted(settings[position] for settings in rounds) == sorted(sweep * 2)
+
+
 def test_serve_load_table_is_the_median_of_interleaved_rounds():
     """Three rounds: medians of every measure, and the ratio to NoAdapt taken within each
     round (a slow round slows both) before the median."""
