@@ -60,16 +60,19 @@ def describe(x: np.ndarray) -> np.ndarray:
     stride = max(1, -(-min(height, width) // GRID))
     rows, below = x[:, :, ::stride, :], x[:, :, 1::stride, :]  # kept rows, the rows under them
     grid = rows[:, :, :, ::stride].reshape(batch, -1)
-    size = np.float32(grid.shape[1])
-    mean = np.add.reduce(grid, axis=1) / size
-    centred = grid - mean[:, None]
-    variance = (np.einsum("bi,bi->b", centred, centred) / size).astype(np.float64)
+    mean = np.add.reduce(grid, axis=1) / np.float32(grid.shape[1])
+    variance = _mean_squares(grid - mean[:, None])
     across = (rows[..., 1:] - rows[..., :-1]).reshape(batch, -1)
     down = (below - rows[:, :, : below.shape[2]]).reshape(batch, -1)
-    edges = (np.einsum("bi,bi->b", across, across) / np.float32(across.shape[1])).astype(
-        np.float64) + np.einsum("bi,bi->b", down, down) / np.float32(down.shape[1])
+    edges = _mean_squares(across) + _mean_squares(down)
     return np.stack([mean.astype(np.float64), np.log(variance + _EPS),
                      np.log((edges + _EPS) / (variance + _EPS))], axis=1)
+
+
+def _mean_squares(values: np.ndarray) -> np.ndarray:
+    """Each row's mean square [B] (float64) of float32 ``values`` [B, N], summed in float32."""
+    return (np.einsum("bi,bi->b", values, values) / np.float32(values.shape[1])).astype(
+        np.float64)
 
 
 class InputChangeDetector:
