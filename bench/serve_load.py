@@ -262,7 +262,8 @@ MEASURES = ("images_per_s", "p50_ms", "p99_ms", "rows_per_step", "forwards_per_s
 def summary(report: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per (method, delay, replicas, concurrency) in run order: the median over the
     rounds of every measure, and the medians over rounds of images/s and p50 relative to
-    NoAdapt's in the same round and setting (None without a NoAdapt run)."""
+    NoAdapt's in the same round and setting (None without a NoAdapt run), with the lowest and
+    highest of those per-round ratios (``..._range``)."""
     def setting(r: dict[str, Any]) -> tuple:
         return r.get("delay", "fixed"), r.get("replicas", 0), r["concurrency"], r["batch"]
 
@@ -282,6 +283,7 @@ def summary(report: dict[str, Any]) -> list[dict[str, Any]]:
             ratios = [r[key] / base[key] for r in runs
                       if (base := noadapt.get((r.get("round", 0), *setting(r))))]
             row[name] = float(np.median(ratios)) if ratios else None
+            row[f"{name}_range"] = (min(ratios), max(ratios)) if ratios else None
         out.append(row)
     return out
 
@@ -294,7 +296,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{machine_line(report)} Server max delay {report['max_delay_ms']} ms; the clients run "
         f"on the same machine. Requests: {stream_line(report.get('stream', RANDOM))}. "
         + (f"Medians over {rounds} interleaved rounds; x NoAdapt: the median of the per-round "
-           "ratios to NoAdapt in the same setting." if rounds > 1 else ""),
+           "ratios to NoAdapt in the same setting (in brackets the lowest and the highest)."
+           if rounds > 1 else ""),
         "",
         "| method | delay | replicas | clients | batch | images/s | x NoAdapt | p50 ms "
         "| x NoAdapt | p99 ms | rows per step | fwd/sample |",
@@ -304,11 +307,21 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {r['method']} | {r['delay']} | {r['replicas'] or 'plain'} | "
             f"{r['concurrency']} | {r['batch']} | {r['images_per_s']:.1f} | "
-            f"{_optional(r['images_vs_noadapt'])} | {r['p50_ms']:.1f} | "
-            f"{_optional(r['p50_vs_noadapt'])} | {r['p99_ms']:.1f} | "
+            f"{_ratio(r, 'images_vs_noadapt', rounds)} | {r['p50_ms']:.1f} | "
+            f"{_ratio(r, 'p50_vs_noadapt', rounds)} | {r['p99_ms']:.1f} | "
             f"{_optional(r['rows_per_step'])} | {_optional(r['forwards_per_sample'])} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _ratio(row: dict[str, Any], name: str, rounds: int) -> str:
+    """A ratio cell: the median, and over several rounds the per-round range in brackets
+    (a NoAdapt row, 1.00 in every round, stays plain)."""
+    cell = _optional(row[name])
+    spread = row.get(f"{name}_range")
+    if rounds > 1 and spread is not None and spread[0] != spread[1]:
+        cell += f" ({spread[0]:.2f}-{spread[1]:.2f})"
+    return cell
 
 
 def _optional(value: float | None) -> str:
@@ -348,7 +361,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", help="the model file to serve (required unless --report)")
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--methods", default="noadapt,eva0")
     parser.add_argument("--batch", type=int, default=1, help="images per request")
@@ -366,7 +379,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=1, help="repeat the whole sweep this "
                         "many times, interleaved; the table shows medians")
     parser.add_argument("--out", help="folder for serve_load.md / .json / .png")
+    parser.add_argument("--report", type=Path, help="a serve_load.json to render again (table "
+                        "and plot) instead of running; the run options are then ignored")
     args = parser.parse_args(argv)
+    if args.report is not None:
+        report = json.loads(args.report.read_text())
+        print(markdown(report))
+        if args.out:
+            write_outputs(Path(args.out), "serve_load", report, markdown(report), plot)
+        return
+    if args.model is None:
+        parser.error("--model is required (or --report)")
     report = run_load(
         args.model, [int(c) for c in args.concurrency.split(",")],
         [m.strip() for m in args.methods.split(",") if m.strip()], args.batch, args.requests,

@@ -220,7 +220,7 @@ def test_serve_load_rounds_rotate_so_every_setting_runs_once_in_every_position()
         assert sorted(settings[position] for settings in rounds) == sorted(sweep * 2)
 
 
-def test_serve_load_table_is_the_median_of_interleaved_rounds():
+def test_serve_load_table_is_the_median_of_interleaved_rounds(tmp_path):
     """Three rounds: medians of every measure, and the ratio to NoAdapt taken within each
     round (a slow round slows both) before the median."""
     from eva0_edge.bench import serve_load
@@ -242,12 +242,18 @@ def test_serve_load_table_is_the_median_of_interleaved_rounds():
     assert adapting["images_per_s"] == 60 and adapting["rounds"] == 3
     assert adapting["images_vs_noadapt"] == pytest.approx(0.9)  # of 0.9, 1.0, 0.5
     assert adapting["p50_vs_noadapt"] == pytest.approx(1.1)  # of 1.1, 1.0, 2.0
+    assert adapting["images_vs_noadapt_range"] == pytest.approx((0.5, 1.0))
     env = environment()
-    table = serve_load.markdown({**report, "architecture": "a", "model": "m.onnx", "rounds": 3,
-                                 "threads": 1,
-                                 "max_delay_ms": 10.0, "environment_start": env,
-                                 "environment_end": env})
-    assert "| eva0+async | adaptive | plain | 16 | 1 | 60.0 | 0.90 | 16.0 | 1.10 |" in table
+    report = {**report, "architecture": "a", "model": "m.onnx", "rounds": 3, "threads": 1,
+              "max_delay_ms": 10.0, "environment_start": env, "environment_end": env}
+    table = serve_load.markdown(report)
+    assert ("| eva0+async | adaptive | plain | 16 | 1 | 60.0 | 0.90 (0.50-1.00) | 16.0 | "
+            "1.10 (1.00-2.00) |") in table
+    assert "| noadapt | adaptive | plain | 16 | 1 | 100.0 | 1.00 | 10.0 | 1.00 |" in table
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps(report))
+    serve_load.main(["--report", str(saved), "--out", str(tmp_path / "again")])
+    assert (tmp_path / "again" / "serve_load.md").read_text() == table
 
 
 def test_blackbox_table_runs_every_budget_and_writes_outputs(tmp_path):
