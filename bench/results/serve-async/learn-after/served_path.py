@@ -1,0 +1,65 @@
+"""Where the asynchronous server's served path spends its time on one image: the EVA-0 worker's
+``serve_step`` at budget 1.5 on the shipped ResNet-GN, 4000 Gaussian-noise severity-5 test
+images one at a time (after 500 untimed), each part's mean microseconds per image, timed by
+wrapping it in place (so the numbers are what the part costs between ORT calls, caches as they
+are there).
+
+    python bench/results/serve-async/learn-after/served_path.py
+"""
+
+import functools
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from eva0_edge.bench.serve_load import read_metadata, stream_images
+from eva0_edge.runtime.methods import load_method
+
+MODEL = "models/resnet_gn_fmnist.onnx"
+
+
+def main() -> None:
+    images = stream_images(read_metadata(MODEL), "gaussian_noise", 1)
+    model = load_method(MODEL, "eva0", {"budget": 1.5}, 0, "cpu", 1)
+    model.set_asynchronous()
+    control = model.control
+    seconds: dict[str, float] = {}
+
+    def timed(owner: Any, name: str, label: str) -> None:
+        part: Callable = getattr(owner, name)
+
+        @functools.wraps(part)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return part(*args, **kwargs)
+            finally:
+                seconds[label] = seconds.get(label, 0.0) + time.perf_counter() - start
+
+        setattr(owner, name, wrapper)
+
+    timed(model.session, "run", "ORT call (the forward)")
+    timed(model.session, "check_input", "input check")
+    timed(control.inputs, "observe", "input change detector")
+    timed(model.shift, "offset", "activation shift: offset")
+    timed(model.shift, "observe", "activation shift: window")
+    timed(control, "_after_change", "guard and budget after the batch")
+    for i in range(500):
+        control.serve_step(images[i][None])
+    seconds.clear()
+    count = 4000
+    start = time.perf_counter()
+    for i in range(500, 500 + count):
+        control.serve_step(images[i][None])
+    total = time.perf_counter() - start
+    for label, spent in seconds.items():
+        print(f"{label:34s} {spent / count * 1e6:7.1f} us")
+    print(f"{'the rest (controller, copies)':34s} "
+          f"{(total - sum(seconds.values())) / count * 1e6:7.1f} us")
+    print(f"{'serve_step':34s} {total / count * 1e6:7.1f} us")
+    print("load average", os.getloadavg())
+
+
+if __name__ == "__main__":
+    main()
