@@ -17,7 +17,8 @@ family and, without a guard, FOA: :class:`~.foa.FOAModel` has the same ``serve``
    trips).
 
 The asynchronous server splits this in two: :meth:`StepController.serve_step` answers (steps
-1-4, the budget earning the batch's credit), and an adaptation pass runs step 5 on batches
+1-4, the budget earning the batch's credit; batches under ``LEARN_BLOCK`` rows are learnt
+from in blocks, :meth:`StepController.learn`), and an adaptation pass runs step 5 on batches
 already answered, when the worker is idle and the credit pays for it: :meth:`begin_pass` (the
 checks, the budget, the perturbed rows), the ORT call (which may run on another thread while
 serving goes on), :meth:`finish_pass` (the estimate, the update and the guard, dropped when a
@@ -49,6 +50,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# The fewest served rows the asynchronous server learns from at once (serve_step)
+LEARN_BLOCK = 8
+
 
 class StepController:
     """The guard, the budget and the input change detector of one :class:`AdaptiveModel` (or
@@ -61,6 +65,8 @@ class StepController:
         self.guard = self._new_guard()
         self.budget = self._new_budget()
         self.inputs = InputChangeDetector()
+        # served batches not learnt from yet (serve_step): their checked images and features
+        self._waiting: list[tuple[np.ndarray, np.ndarray]] = []
 
     def _engine(self) -> AdaptiveModel:
         """The model as the EVA-0-family engine: what the health guard, its duels and the
@@ -101,19 +107,58 @@ class StepController:
     def step(self, x: np.ndarray) -> np.ndarray:
         """Serve the batch and (for adapting methods) adapt on it; logits [B, K] (shifted when
         the activation shift is on)."""
+        self.learn()
         return self._step(x, adapt=True)
 
     def serve_step(self, x: np.ndarray) -> np.ndarray:
         """The asynchronous server's answer: :meth:`step` without the method's own step (the
         guard's duels still run, the budget earns the batch's credit); the batch is adapted on
-        later, if at all, by a pass (:meth:`begin_pass`, :meth:`finish_pass`)."""
-        return self._step(x, adapt=False)
+        later, if at all, by a pass (:meth:`begin_pass`, :meth:`finish_pass`).
+
+        A batch of fewer than ``LEARN_BLOCK`` (8) rows served at theta is answered with the
+        windows as the last block left them, and what it teaches (the input change detector,
+        the activation shift's window, the budget's credit, a change of stream) waits until
+        ``LEARN_BLOCK`` rows have come, then is learnt in one go (:meth:`learn`; the windows
+        are per sample, so they end where one-at-a-time learning would leave them, a change
+        is called at the block's end). One image then pays the detector's and the window's
+        NumPy once per block (in place: 116 of its 912 us,
+        ``bench/results/serve-async/learn-after/served_path.txt``). Larger batches are served
+        and learnt from as :meth:`step` does."""
+        m = self._engine()
+        st = m.state
+        if not m.spec.adapts or st.frozen or st.pause_left > 0 or \
+                (not self._waiting and x.shape[0] >= LEARN_BLOCK):
+            self.learn()
+            return self._step(x, adapt=False)
+        x = m.session.check_input(x)
+        served, features = m.answer(x)
+        self._waiting.append((x, features))
+        if sum(images.shape[0] for images, _ in self._waiting) >= LEARN_BLOCK:
+            self.learn()
+        return served
+
+    def learn(self) -> None:
+        """Learn from the served batches :meth:`serve_step` left waiting, in one go (the
+        worker calls it before anything reads or writes the state: a pass, a control
+        operation, a snapshot, the stop)."""
+        if not self._waiting:
+            return
+        waiting, self._waiting = self._waiting, []
+        x = np.concatenate([images for images, _ in waiting])
+        features = np.concatenate([rows for _, rows in waiting])
+        m = self._engine()
+        inputs_changed = self._inputs_changed(x)
+        if self.budget is not None:
+            self.budget.earn(x.shape[0])
+        shift_changed = m.learn_served(features)
+        self._after_change(inputs_changed or shift_changed)
 
     def begin_pass(self, x: np.ndarray) -> ServedPass | None:
         """Begin the adaptation pass on x [B, C, H, W] (already answered) when adaptation is on
         (not frozen, no guard pause) and the budget's credit pays for it (spent now); None
         otherwise. Nothing is served; the input and shift change detectors saw x when it was
         served. Its ORT call (``model.run_served``) may run on any thread."""
+        self.learn()
         m = self._engine()
         if not self._adapting(m):
             return None
@@ -127,6 +172,7 @@ class StepController:
         A pass the state moved away from since it began (``model.current``: a roll-back, a
         reset, a state installed) or begun before a pause or a freeze is dropped: its forwards
         were spent, nothing is written. Returns whether the step ran."""
+        self.learn()
         m = self._engine()
         if not m.current(served) or not self._adapting(m):
             return False

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
+from eva0_edge.runtime.controller import LEARN_BLOCK
 from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.methods import load_method
 from eva0_edge.runtime.server.worker import AdaptationWorker
@@ -110,6 +111,51 @@ def test_no_input_is_adapted_on_before_its_request_is_answered(started):
     counts = worker.call(lambda m: worker.counts()).result(30)
     assert early == [] and counts["served_samples"] == served and counts["adapted_samples"] > 0
     assert sum(counts.values()) == 2 * served  # each sample served, then adapted on or dropped
+
+
+def blocky(count: int, seed: int) -> np.ndarray:
+    """Images [count, 3, 32, 32] of 4 x 4 blocks: a stream the activation shift moves (random
+    pixels it leaves alone)."""
+    return np.repeat(np.repeat(images(count, seed)[:, :, :8, :8], 4, axis=2), 4, axis=3)
+
+
+def test_small_batches_are_learnt_from_in_blocks():
+    """Batches under ``LEARN_BLOCK`` rows are served with the windows the last block left and
+    learnt from once the block is full: the windows, the budget's credit and the forward
+    counter then read as if the block had come as one batch."""
+    config = {"budget": 1.5, "guard": False}
+    blocks, whole = (AdaptiveModel.load(MODEL, "eva0", config, provider="cpu") for _ in range(2))
+    plain = load_method(MODEL, "noadapt", provider="cpu")
+    for model in (blocks, whole):
+        model.set_asynchronous()
+        for seed in range(8):
+            model.control.serve_step(blocky(LEARN_BLOCK, seed))
+        model.budget.credit = 100.0  # room below the cap, so what is earned shows
+    credit, weight = blocks.budget.credit, blocks.state.shift_weight
+    parts = [blocky(2, 100 + i) for i in range(LEARN_BLOCK // 2)]
+    offsets = []
+    for part in parts[:-1]:
+        offsets.append(blocks.control.serve_step(part) - plain.predict(part))
+        assert (blocks.budget.credit, blocks.state.shift_weight) == (credit, weight)
+    assert np.abs(offsets[0]).max() > 0.5
+    for offset in offsets[1:]:
+        np.testing.assert_allclose(offset[0], offsets[0][0], atol=1e-5)
+    blocks.control.serve_step(parts[-1])
+    whole.control.serve_step(np.concatenate(parts))
+    np.testing.assert_array_equal(blocks.state.shift_mean, whole.state.shift_mean)
+    assert blocks.budget.credit == whole.budget.credit == credit + 0.5 * LEARN_BLOCK
+    assert blocks.stats()["samples"] == whole.stats()["samples"] == 9 * LEARN_BLOCK
+
+
+def test_what_reads_the_state_sees_the_served_samples_learnt_from(started):
+    """Three single images wait for their block; a control operation learns from them first,
+    so the activation shift's window holds them."""
+    model = AdaptiveModel.load(MODEL, "eva0", {"budget": 1.5, "guard": False}, provider="cpu")
+    worker = started(model, max_batch=64)
+    for seed in range(3):
+        worker.submit(blocky(1, seed)).result(30)
+    weight, samples = worker.call(lambda m: (m.state.shift_weight, m.stats()["samples"])).result(30)
+    assert samples == 3 and weight == pytest.approx(1 - model.shift.factor**3)
 
 
 def held_passes(model: AdaptiveModel) -> tuple[threading.Event, list[tuple[int, int]]]:

@@ -14,8 +14,10 @@ Control operations (statistics, reset, state get/put) run on the same thread bet
 nothing else ever touches the state.
 
 With ``asynchronous`` (``serve --async-adapt``; EVA-0-family methods) a batch is answered from
-one forward at the current theta (:meth:`~..controller.StepController.serve_step`) as soon as
-it has run, and its rows join the recent inputs (the last ``max_batch`` rows; older ones are
+one forward at the current theta (:meth:`~..controller.StepController.serve_step`; batches
+under 8 rows are learnt from in blocks, and the worker has the controller learn what waits
+before a control operation, a pass, a snapshot or the stop) as soon as it has run, and its
+rows join the recent inputs (the last ``max_batch`` rows; older ones are
 dropped from adaptation). Once ``max_batch`` rows are waiting, the queue is empty and no pass
 is running, the worker begins a pass on them (:meth:`~..controller.StepController.begin_pass`,
 within the compute budget: the perturbed rows). Its ORT call (the 2 x #rows forwards; the GIL
@@ -194,6 +196,7 @@ class AdaptationWorker:
         True when written, False when writing failed, None without a state directory."""
         if self.snapshots is None or not isinstance(self.model, AdaptiveModel):
             return None
+        self._learn_waiting()
         self._steps_since_snapshot = 0
         try:
             path = self.snapshots.save(self.model)
@@ -240,6 +243,7 @@ class AdaptationWorker:
                 self._control(item)
                 continue
             self._batch(item)
+        self._learn_waiting()
         if self._pass is not None:  # the running pass's update is kept
             self._finish_pass()
         if self._runs is not None:
@@ -250,6 +254,7 @@ class AdaptationWorker:
         if not item.future.set_running_or_notify_cancel():
             return
         try:
+            self._learn_waiting()
             item.future.set_result(item.operation(self.model))
         except Exception as err:  # noqa: BLE001 - handed to the caller
             item.future.set_exception(err)
@@ -306,6 +311,16 @@ class AdaptationWorker:
                 self.on_step(StepRecord(rows, len(jobs), seconds, self.model.last.skipped))
             except Exception:  # noqa: BLE001 - metrics must never stop the worker
                 log.exception("step callback failed")
+
+    def _learn_waiting(self) -> None:
+        """Learn from the served batches the controller holds for its next block (asynchronous
+        mode), so that what reads or writes the state next sees them; a failure is logged."""
+        if self._adaptive is None:
+            return
+        try:
+            self._adaptive.control.learn()
+        except Exception:  # noqa: BLE001 - the answers went out; serving goes on
+            log.exception("learning from the served samples failed")
 
     def _remember(self, x: np.ndarray) -> None:
         """Keep the answered rows x for adaptation: the last ``max_batch`` rows at most."""
