@@ -424,8 +424,7 @@ class AdaptiveModel:
         """One forward at the current theta on the checked batch x [B, C, H, W]
         (``session.check_input``), served: logits [B, K] (the activation shift learns from the
         batch), and whether the shift's change detector saw a new stream in it."""
-        served, features = self.answer(x)
-        return served, self.learn_served(features)
+        return self.serve_outputs(*self._forward(x))
 
     def answer(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`serve` without the learning: the served logits [B, K] (shifted by what the
