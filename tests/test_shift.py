@@ -453,3 +453,33 @@ def test_an_empty_window_with_a_stray_weight_serves_unshifted_and_restarts() -> 
         a = 1 - 2 / (window + 1)
         weights = a ** np.arange(3, -1, -1)
         np.testing.assert_allclose(mean, weights @ rows[:, :2] / weights.sum())
+
+
+def test_the_kept_offset_is_the_offset_of_the_window_as_it_is_now() -> None:
+    rng = np.random.default_rng(11)
+    head = LinearHead(rng.normal(size=(3, 4)), np.zeros(3), slice(0, 4))
+    shift = ActivationShift(head, np.zeros(4), strength=1.0, window=64.0)
+    state = _empty_state()
+
+    def fresh() -> np.ndarray:  # a shift that has kept nothing
+        return ActivationShift(head, np.zeros(4), strength=1.0, window=64.0).offset(state)
+
+    seen = []
+    for row in rng.normal(2.0, 1.0, (80, 9)):
+        shift.observe(state, row[None])
+        served = shift.offset(state)
+        np.testing.assert_array_equal(served, fresh())
+        np.testing.assert_array_equal(shift.offset(state), served)  # asked again: the same
+        seen.append(served.copy())
+    assert len({s.tobytes() for s in seen[40:]}) == 40  # every sample moved it
+    with pytest.raises(ValueError, match="read-only"):
+        served[0] = 0.0
+    state.shift_mean[0] += 1.0  # written in place: same weight, same array object
+    np.testing.assert_array_equal(shift.offset(state), fresh())
+    assert not np.array_equal(shift.offset(state), served)
+    other = _empty_state()  # another state (installed, reset) with the same window values
+    other.shift_mean, other.shift_sq, other.shift_weight = (
+        state.shift_mean.copy(), state.shift_sq, state.shift_weight)
+    np.testing.assert_array_equal(shift.offset(other), fresh())
+    shift.restart(state)
+    np.testing.assert_array_equal(shift.offset(state), np.zeros(3))
