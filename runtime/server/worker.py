@@ -136,6 +136,7 @@ class AdaptationWorker:
             if self._adaptive is not None and model.session.concurrent_calls else None
         self._pass: _Pass | None = None
         self._recent: list[np.ndarray] = []
+        self._recent_rows = 0  # rows in _recent, kept as they come and go (read per request)
         self._counts = {"served_samples": 0, "adapted_samples": 0, "dropped_samples": 0}
         self.model = model
         self.max_batch = max_batch
@@ -215,7 +216,7 @@ class AdaptationWorker:
                 "waiting_samples": self._waiting_rows()}
 
     def _waiting_rows(self) -> int:
-        return sum(r.shape[0] for r in self._recent)
+        return self._recent_rows
 
     # ------------------------------------------------------------------ thread
     def _next(self, timeout: float | None = None) -> Any:
@@ -326,9 +327,9 @@ class AdaptationWorker:
         """Keep the answered rows x for adaptation: the last ``max_batch`` rows at most."""
         self._counts["served_samples"] += x.shape[0]
         self._recent.append(x)
-        rows = self._waiting_rows()
-        while rows > self.max_batch:
-            excess = rows - self.max_batch
+        self._recent_rows += x.shape[0]
+        while self._recent_rows > self.max_batch:
+            excess = self._recent_rows - self.max_batch
             oldest = self._recent[0]
             if oldest.shape[0] <= excess:
                 self._recent.pop(0)
@@ -337,13 +338,13 @@ class AdaptationWorker:
                 self._recent[0] = oldest[excess:]
                 dropped = excess
             self._counts["dropped_samples"] += dropped
-            rows -= dropped
+            self._recent_rows -= dropped
 
     def _adapt_recent(self) -> None:
         """Begin the adaptation pass on the recent (answered) rows, its ORT call on the pass
         thread (or here, without one); the rows are dropped when the budget or a pause says
         not now."""
-        batch, self._recent = self._recent, []
+        batch, self._recent, self._recent_rows = self._recent, [], 0
         x = batch[0] if len(batch) == 1 else np.concatenate(batch)
         model = self._adaptive
         assert model is not None  # only asynchronous mode keeps recent rows
