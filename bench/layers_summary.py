@@ -4,10 +4,11 @@
 
 Reads ``<reports>/bench-<arch>-<set>/cost.json`` (ResNet50-GN and ViT-B with random weights: EVA-0's
 step against NoAdapt's per batch size) and ``<reports>/acc-<model>-<protocol>/results.json``
-(the shipped ResNet-GN re-exported per stage set, rates tuned by the rule: average accuracy over
-the 15 corruptions, EVA-0's gain over NoAdapt and its share of the gain of the file that adapts the
-most stages). Prints both tables and writes ``<reports>/layers.md``, ``layers.json`` and
-``layers.png`` (cost per stage or block set and model; share of the gain per stage set).
+(the shipped ResNet-GN and ViT re-exported per stage or block set, rates tuned by the rule:
+average accuracy over the 15 corruptions, EVA-0's gain over NoAdapt and its share of the gain of
+the file of the same architecture that adapts the most parameters). Prints both tables and
+writes ``<reports>/layers.md``, ``layers.json`` and ``layers.png`` (cost per stage or block set
+and model; share of the gain per set and architecture).
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ def cost_rows(reports: Path) -> list[dict[str, Any]]:
 
 
 def accuracy_rows(reports: Path, model_dirs: list[Path]) -> list[dict[str, Any]]:
-    """One row per (stage set, protocol, batch size): NoAdapt's and EVA-0's averages (%), the
-    gain, and its share of the gain of the stage set with the most adapted parameters. The
-    model files (named in the reports) are looked up in ``model_dirs``."""
+    """One row per (file, protocol, batch size): NoAdapt's and EVA-0's averages (%), the gain,
+    and its share of the gain of the file of the same architecture (the metadata's) with the
+    most adapted parameters. The model files (named in the reports) are looked up in
+    ``model_dirs``."""
     rows = []
     for path in sorted(reports.glob("acc-*/results.json")):
         report = json.loads(path.read_text())
@@ -53,37 +55,46 @@ def accuracy_rows(reports: Path, model_dirs: list[Path]) -> list[dict[str, Any]]
         for batch in sorted({r["batch_size"] for r in report["results"].values()}):
             noadapt = report["results"][f"noadapt B={batch}"]["average"]
             eva0 = report["results"][f"eva0 B={batch}"]["average"]
-            rows.append({"model": Path(spec["model"]).stem, "stages": metadata.adapt,
+            rows.append({"model": Path(spec["model"]).stem,
+                         "architecture": metadata.architecture, "stages": metadata.adapt,
                          "parameters": metadata.num_params, "protocol": spec["protocol"],
                          "batch_size": batch, "noadapt": round(noadapt, 2),
                          "eva0": round(eva0, 2), "gain": round(eva0 - noadapt, 2)})
     for row in rows:
-        cell = [r for r in rows if (r["protocol"], r["batch_size"]) ==
-                (row["protocol"], row["batch_size"])]
+        cell = [r for r in rows if (r["architecture"], r["protocol"], r["batch_size"]) ==
+                (row["architecture"], row["protocol"], row["batch_size"])]
         full = max(cell, key=lambda r: r["parameters"])["gain"]
         row["share_of_gain"] = round(row["gain"] / full, 3) if full > 0 else None
-    return sorted(rows, key=lambda r: (r["protocol"], r["batch_size"], -r["parameters"]))
+    return sorted(rows, key=lambda r: (r["architecture"], r["protocol"], r["batch_size"],
+                                       -r["parameters"]))
 
 
 def markdown(costs: list[dict[str, Any]], accuracy: list[dict[str, Any]]) -> str:
-    lines = ["| model | stages | B | EVA-0 x NoAdapt |", "|---" * 4 + "|"]
-    lines += [f"| {r['model']} | {r['stages']} | {r['batch_size']} | "
-              f"{r['ratio_to_noadapt']:.2f} |" for r in costs]
-    lines += ["", "| model | stages | theta | protocol | B | NoAdapt | EVA-0 | gain | share |",
-              "|---" * 9 + "|"]
-    for r in accuracy:
-        share = "-" if r["share_of_gain"] is None else f"{100 * r['share_of_gain']:.0f}%"
-        lines.append(f"| {r['model']} | {r['stages']} | {r['parameters']} | {r['protocol']} | "
-                     f"{r['batch_size']} | {r['noadapt']:.2f} | {r['eva0']:.2f} | "
-                     f"{r['gain']:+.2f} | {share} |")
-    return "\n".join(lines)
+    """The cost table and the accuracy table (each only when it has rows)."""
+    tables = []
+    if costs:
+        lines = ["| model | stages | B | EVA-0 x NoAdapt |", "|---" * 4 + "|"]
+        lines += [f"| {r['model']} | {r['stages']} | {r['batch_size']} | "
+                  f"{r['ratio_to_noadapt']:.2f} |" for r in costs]
+        tables.append("\n".join(lines))
+    if accuracy:
+        lines = ["| model | stages | theta | protocol | B | NoAdapt | EVA-0 | gain | share |",
+                 "|---" * 9 + "|"]
+        for r in accuracy:
+            share = "-" if r["share_of_gain"] is None else f"{100 * r['share_of_gain']:.0f}%"
+            lines.append(f"| {r['model']} | {r['stages']} | {r['parameters']} | "
+                         f"{r['protocol']} | {r['batch_size']} | {r['noadapt']:.2f} | "
+                         f"{r['eva0']:.2f} | {r['gain']:+.2f} | {share} |")
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     models = sorted({r["model"] for r in report["costs"]})
-    fig, axes = plt.subplots(1, len(models) + 1, figsize=(4.5 * (len(models) + 1), 3.6),
-                             squeeze=False)
+    archs = sorted({r["architecture"] for r in report["accuracy"]})
+    panels = len(models) + len(archs)
+    fig, axes = plt.subplots(1, panels, figsize=(4.5 * panels, 3.6), squeeze=False)
     for ax, model in zip(axes[0], models, strict=False):
         for batch in sorted({r["batch_size"] for r in report["costs"] if r["model"] == model}):
             mine = [r for r in report["costs"] if (r["model"], r["batch_size"]) == (model, batch)]
@@ -92,15 +103,16 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.set_title(f"{model} step cost (random weights)", fontsize=9)
         ax.set_xlabel("adapted stages / blocks")
         ax.set_ylabel("EVA-0 time / NoAdapt time")
-    gain_ax = axes[0][-1]
-    for cell in sorted({(r["protocol"], r["batch_size"]) for r in report["accuracy"]}):
-        mine = [r for r in report["accuracy"] if (r["protocol"], r["batch_size"]) == cell
-                and r["share_of_gain"] is not None]
-        gain_ax.plot([r["stages"] for r in mine], [100 * r["share_of_gain"] for r in mine],
-                     marker="o", label=f"{cell[0]}, B = {cell[1]}")
-    gain_ax.set_title("shipped ResNet-GN: share of EVA-0's gain", fontsize=9)
-    gain_ax.set_xlabel("adapted stages")
-    gain_ax.set_ylabel("% of the all-stage gain")
+    for ax, arch in zip(axes[0][len(models):], archs, strict=True):
+        accuracy = [r for r in report["accuracy"] if r["architecture"] == arch]
+        for cell in sorted({(r["protocol"], r["batch_size"]) for r in accuracy}):
+            mine = [r for r in accuracy if (r["protocol"], r["batch_size"]) == cell
+                    and r["share_of_gain"] is not None]
+            ax.plot([r["stages"] for r in mine], [100 * r["share_of_gain"] for r in mine],
+                    marker="o", label=f"{cell[0]}, B = {cell[1]}")
+        ax.set_title(f"shipped {arch}: share of EVA-0's gain", fontsize=9)
+        ax.set_xlabel("adapted stages / blocks")
+        ax.set_ylabel("% of the largest set's gain")
     for ax in axes[0]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

@@ -227,32 +227,43 @@ def test_the_budget_summary_tables_and_plots_measured_forwards(tmp_path):
 
 
 def test_the_layers_summary_shares_the_gain_of_the_file_adapting_the_most(tmp_path):
-    """Two cost reports and two eval reports; the share of the gain is of the file with the
-    most adapted parameters (here the shipped ViT's 2304 against the ResNet-GN's 1344: two
-    files at hand with different theta sizes)."""
+    """Two cost reports and four eval reports; the share of the gain is of the file of the same
+    architecture with the most adapted parameters: the shipped ResNet-GN (1344) for a copy
+    whose metadata adapts only its first two theta segments, the shipped ViT for itself."""
+    import dataclasses
     import json
 
     from eva0_edge.bench.layers_summary import main
+    from eva0_edge.runtime.modelfile import load_onnx, read_metadata, save_onnx, set_metadata
 
+    shipped = load_onnx("models/resnet_gn_fmnist.onnx")
+    metadata = read_metadata(shipped)
+    layout = metadata.theta_layout[:2]
+    width = sum(seg.size for seg in layout)
+    fewer = dataclasses.replace(metadata, theta_layout=layout, arrays={
+        **metadata.arrays, "theta0": metadata.arrays["theta0"][:width]})
+    save_onnx(set_metadata(shipped, fewer), tmp_path / "resnet_gn_fmnist-less.onnx")
     for stages, ratio in (("4", 1.1), ("1-4", 2.0)):
         (tmp_path / f"bench-resnet50_gn-{stages}").mkdir()
         rows = [{"method": "noadapt", "batch": 8, "ratio_to_noadapt": 1.0},
                 {"method": "eva0", "batch": 8, "ratio_to_noadapt": ratio}]
         (tmp_path / f"bench-resnet50_gn-{stages}" / "cost.json").write_text(
             json.dumps({"architecture": "resnet50_gn", "rows": rows}))
-    for name, eva0 in (("vit_fmnist", 81.0), ("resnet_gn_fmnist", 80.5)):
+    for name, eva0 in (("vit_fmnist", 81.0), ("resnet_gn_fmnist", 80.5),
+                       ("resnet_gn_fmnist-less", 80.0)):
         (tmp_path / f"acc-{name}").mkdir()
         spec = {"model": f"{name}.onnx", "protocol": "continual"}
         results = {"noadapt B=8": {"batch_size": 8, "average": 79.0},
                    "eva0 B=8": {"batch_size": 8, "average": eva0}}
         (tmp_path / f"acc-{name}" / "results.json").write_text(
             json.dumps({"spec": spec, "results": results}))
-    assert main([str(tmp_path), "--model-dirs", "models"]) == 0
+    assert main([str(tmp_path), "--model-dirs", str(tmp_path), "models"]) == 0
     report = json.loads((tmp_path / "layers.json").read_text())
     assert [(r["stages"], r["ratio_to_noadapt"]) for r in report["costs"]] == [
         ("4", 1.1), ("1-4", 2.0)]
     assert [(r["model"], r["gain"], r["share_of_gain"]) for r in report["accuracy"]] == [
-        ("vit_fmnist", 2.0, 1.0), ("resnet_gn_fmnist", 1.5, 0.75)]
+        ("resnet_gn_fmnist", 1.5, 1.0), ("resnet_gn_fmnist-less", 1.0, 0.667),
+        ("vit_fmnist", 2.0, 1.0)]
     assert (tmp_path / "layers.png").stat().st_size > 0
 
 
