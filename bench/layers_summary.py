@@ -8,7 +8,8 @@ step against NoAdapt's per batch size) and ``<reports>/acc-<model>-<protocol>/re
 average accuracy over the 15 corruptions, EVA-0's gain over NoAdapt and its share of the gain of
 the file of the same architecture that adapts the most parameters). Prints both tables and
 writes ``<reports>/layers.md``, ``layers.json`` and ``layers.png`` (cost per stage or block set
-and model; share of the gain per set and architecture).
+and model; share of the gain per set and architecture). ``--costs-from <layers.json>`` takes the
+cost rows of an earlier summary (an accuracy rerun beside a cost run that had the machine).
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ def cost_rows(reports: Path) -> list[dict[str, Any]]:
 
 
 def accuracy_rows(reports: Path, model_dirs: list[Path]) -> list[dict[str, Any]]:
-    """One row per (file, protocol, batch size): NoAdapt's and EVA-0's averages (%), the gain,
-    and its share of the gain of the file of the same architecture (the metadata's) with the
-    most adapted parameters. The model files (named in the reports) are looked up in
-    ``model_dirs``."""
+    """One row per (file, protocol, batch size): NoAdapt's, noadapt-shift's (None when the
+    report has no such row) and EVA-0's averages (%); EVA-0's gain over NoAdapt and over
+    noadapt-shift (what its update adds to the one-forward shift), each with its share of the
+    same gain of the file of the same architecture (the metadata's) with the most adapted
+    parameters. The model files (named in the reports) are looked up in ``model_dirs``."""
     rows = []
     for path in sorted(reports.glob("acc-*/results.json")):
         report = json.loads(path.read_text())
@@ -55,18 +57,29 @@ def accuracy_rows(reports: Path, model_dirs: list[Path]) -> list[dict[str, Any]]
         for batch in sorted({r["batch_size"] for r in report["results"].values()}):
             noadapt = report["results"][f"noadapt B={batch}"]["average"]
             eva0 = report["results"][f"eva0 B={batch}"]["average"]
+            shift = report["results"].get(f"noadapt-shift B={batch}", {}).get("average")
             rows.append({"model": Path(spec["model"]).stem,
                          "architecture": metadata.architecture, "stages": metadata.adapt,
                          "parameters": metadata.num_params, "protocol": spec["protocol"],
                          "batch_size": batch, "noadapt": round(noadapt, 2),
-                         "eva0": round(eva0, 2), "gain": round(eva0 - noadapt, 2)})
+                         "noadapt_shift": None if shift is None else round(shift, 2),
+                         "eva0": round(eva0, 2), "gain": round(eva0 - noadapt, 2),
+                         "gain_over_shift": None if shift is None else round(eva0 - shift, 2)})
     for row in rows:
         cell = [r for r in rows if (r["architecture"], r["protocol"], r["batch_size"]) ==
                 (row["architecture"], row["protocol"], row["batch_size"])]
-        full = max(cell, key=lambda r: r["parameters"])["gain"]
-        row["share_of_gain"] = round(row["gain"] / full, 3) if full > 0 else None
+        full = max(cell, key=lambda r: r["parameters"])
+        row["share_of_gain"] = _share(row["gain"], full["gain"])
+        row["share_over_shift"] = _share(row["gain_over_shift"], full["gain_over_shift"])
     return sorted(rows, key=lambda r: (r["architecture"], r["protocol"], r["batch_size"],
                                        -r["parameters"]))
+
+
+def _share(gain: float | None, full: float | None) -> float | None:
+    """``gain`` as a share of ``full`` (None when either is missing or ``full`` is no gain)."""
+    if gain is None or full is None or full <= 0:
+        return None
+    return round(gain / full, 3)
 
 
 def markdown(costs: list[dict[str, Any]], accuracy: list[dict[str, Any]]) -> str:
@@ -78,15 +91,24 @@ def markdown(costs: list[dict[str, Any]], accuracy: list[dict[str, Any]]) -> str
                   f"{r['ratio_to_noadapt']:.2f} |" for r in costs]
         tables.append("\n".join(lines))
     if accuracy:
-        lines = ["| model | stages | theta | protocol | B | NoAdapt | EVA-0 | gain | share |",
-                 "|---" * 9 + "|"]
+        lines = ["| model | stages | theta | protocol | B | NoAdapt | noadapt-shift | EVA-0 | "
+                 "gain | share | over shift | share |", "|---" * 12 + "|"]
         for r in accuracy:
-            share = "-" if r["share_of_gain"] is None else f"{100 * r['share_of_gain']:.0f}%"
-            lines.append(f"| {r['model']} | {r['stages']} | {r['parameters']} | "
-                         f"{r['protocol']} | {r['batch_size']} | {r['noadapt']:.2f} | "
-                         f"{r['eva0']:.2f} | {r['gain']:+.2f} | {share} |")
+            lines.append(
+                f"| {r['model']} | {r['stages']} | {r['parameters']} | {r['protocol']} | "
+                f"{r['batch_size']} | {r['noadapt']:.2f} | {_cell(r['noadapt_shift'], '.2f')} | "
+                f"{r['eva0']:.2f} | {r['gain']:+.2f} | {_percent(r['share_of_gain'])} | "
+                f"{_cell(r['gain_over_shift'], '+.2f')} | {_percent(r['share_over_shift'])} |")
         tables.append("\n".join(lines))
     return "\n\n".join(tables)
+
+
+def _cell(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.0f}%"
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -125,9 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dirs", type=Path, nargs="+", default=None,
                         help="where the evaluated files are (default: the reports folder and "
                              "models/)")
+    parser.add_argument("--costs-from", type=Path, metavar="LAYERS_JSON",
+                        help="take the cost rows from a saved summary's layers.json instead of "
+                             "bench-*/ reports (the accuracy half rerun without the benches, "
+                             "which need the machine to themselves)")
     args = parser.parse_args(argv)
     model_dirs = args.model_dirs or [args.reports, Path("models")]
-    costs, accuracy = cost_rows(args.reports), accuracy_rows(args.reports, model_dirs)
+    costs = json.loads(args.costs_from.read_text())["costs"] if args.costs_from else \
+        cost_rows(args.reports)
+    accuracy = accuracy_rows(args.reports, model_dirs)
     if not costs and not accuracy:
         parser.error(f"no bench-*/cost.json or acc-*/results.json under {args.reports}")
     table = markdown(costs, accuracy)

@@ -255,16 +255,30 @@ def test_the_layers_summary_shares_the_gain_of_the_file_adapting_the_most(tmp_pa
         spec = {"model": f"{name}.onnx", "protocol": "continual"}
         results = {"noadapt B=8": {"batch_size": 8, "average": 79.0},
                    "eva0 B=8": {"batch_size": 8, "average": eva0}}
+        if name.startswith("resnet"):  # the one-forward shift: 79.7
+            results["noadapt-shift B=8"] = {"batch_size": 8, "average": 79.7}
         (tmp_path / f"acc-{name}" / "results.json").write_text(
             json.dumps({"spec": spec, "results": results}))
     assert main([str(tmp_path), "--model-dirs", str(tmp_path), "models"]) == 0
     report = json.loads((tmp_path / "layers.json").read_text())
     assert [(r["stages"], r["ratio_to_noadapt"]) for r in report["costs"]] == [
         ("4", 1.1), ("1-4", 2.0)]
-    assert [(r["model"], r["gain"], r["share_of_gain"]) for r in report["accuracy"]] == [
-        ("resnet_gn_fmnist", 1.5, 1.0), ("resnet_gn_fmnist-less", 1.0, 0.667),
-        ("vit_fmnist", 2.0, 1.0)]
+    assert [(r["model"], r["gain"], r["share_of_gain"], r["gain_over_shift"],
+             r["share_over_shift"]) for r in report["accuracy"]] == [
+        ("resnet_gn_fmnist", 1.5, 1.0, 0.8, 1.0), ("resnet_gn_fmnist-less", 1.0, 0.667, 0.3, 0.375),
+        ("vit_fmnist", 2.0, 1.0, None, None)]
+    assert "| vit_fmnist | 1,2,3,4,5,6 | 2304 | continual | 8 | 79.00 | - | 81.00 |" in \
+        (tmp_path / "layers.md").read_text()
     assert (tmp_path / "layers.png").stat().st_size > 0
+    saved = tmp_path / "saved.json"  # an accuracy rerun beside the costs of an earlier run
+    saved.write_text(json.dumps({"costs": [{**report["costs"][0], "ratio_to_noadapt": 1.3}]}))
+    for stages in ("4", "1-4"):
+        (tmp_path / f"bench-resnet50_gn-{stages}" / "cost.json").unlink()
+    assert main([str(tmp_path), "--model-dirs", str(tmp_path), "models",
+                 "--costs-from", str(saved)]) == 0
+    rerun = json.loads((tmp_path / "layers.json").read_text())
+    assert [r["ratio_to_noadapt"] for r in rerun["costs"]] == [1.3]
+    assert rerun["accuracy"] == report["accuracy"]
 
 
 def test_the_seeds_summary_averages_each_seeds_cost_of_the_budget(tmp_path):
