@@ -1,7 +1,7 @@
 """Recipe: a shipped model re-exported adapting fewer stages or blocks, for the accuracy half
 of "where to adapt" (the cost half is ``make layers`` on ResNet50-GN and ViT-B).
 
-    python models/layer_sets.py --adapt 3 --adapt 2-3 --out out/layers
+    python models/layer_sets.py --adapt 4 --adapt 3-4 --out out/layers
     python models/layer_sets.py --arch vit_fmnist --adapt 5-7 --adapt 4-7 --out out/layers
 
 For each ``--adapt`` set: the shipped weights (``models/<arch>.pth``) exported with that set,
@@ -9,8 +9,8 @@ calibrated on the same training images with the same seed as the shipped file, a
 shipped file's recommended and tuned values (guard bounds, shift bound, rates), so the file
 differs from the shipped one in what it adapts only. Tune its rates by the rule with
 ``python models/tune.py --model out/layers/<arch>-<set>.onnx --method eva0 --write`` before
-comparing it with the shipped file (the ResNet-GN adapts stages 1-3, every GroupNorm; the ViT
-blocks 1-6 of 0-7, the exporter's default).
+comparing it with the shipped file's own set re-exported and tuned the same way (the ResNet-GN
+ships adapting stages 1-3 of 1-4, the ViT blocks 1-6 of 0-7: the exporter's defaults).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--arch", choices=sorted(ARCHS), default="resnet_gn_fmnist",
                         help="the shipped model to re-export")
     parser.add_argument("--adapt", action="append", required=True,
-                        help="stages or blocks to adapt, e.g. 3 or 2-3 (repeatable)")
+                        help="stages or blocks to adapt, e.g. 4 or 3-4 (repeatable)")
     parser.add_argument("--out", default="out/layers", help="folder for the files")
     args = parser.parse_args()
     out_dir = Path(args.out)
