@@ -8,8 +8,7 @@ step against NoAdapt's per batch size) and ``<reports>/acc-<model>-<protocol>/re
 average accuracy over the 15 corruptions, EVA-0's gain over NoAdapt and its share of the gain of
 the file of the same architecture that adapts the most parameters). Prints both tables and
 writes ``<reports>/layers.md``, ``layers.json`` and ``layers.png`` (cost per stage or block set
-and model; share of the gain per set and architecture). ``--costs-from <layers.json>`` takes the
-cost rows of an earlier summary (an accuracy rerun beside a cost run that had the machine).
+and model; share of the gain per set and architecture).
 """
 
 from __future__ import annotations
@@ -147,15 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dirs", type=Path, nargs="+", default=None,
                         help="where the evaluated files are (default: the reports folder and "
                              "models/)")
-    parser.add_argument("--costs-from", type=Path, metavar="LAYERS_JSON",
-                        help="take the cost rows from a saved summary's layers.json instead of "
-                             "bench-*/ reports (the accuracy half rerun without the benches, "
-                             "which need the machine to themselves)")
     args = parser.parse_args(argv)
     model_dirs = args.model_dirs or [args.reports, Path("models")]
-    costs = json.loads(args.costs_from.read_text())["costs"] if args.costs_from else \
-        cost_rows(args.reports)
-    accuracy = accuracy_rows(args.reports, model_dirs)
+    costs, accuracy = cost_rows(args.reports), accuracy_rows(args.reports, model_dirs)
     if not costs and not accuracy:
         parser.error(f"no bench-*/cost.json or acc-*/results.json under {args.reports}")
     table = markdown(costs, accuracy)

@@ -270,15 +270,6 @@ def test_the_layers_summary_shares_the_gain_of_the_file_adapting_the_most(tmp_pa
     assert "| vit_fmnist | 1,2,3,4,5,6 | 2304 | continual | 8 | 79.00 | - | 81.00 |" in \
         (tmp_path / "layers.md").read_text()
     assert (tmp_path / "layers.png").stat().st_size > 0
-    saved = tmp_path / "saved.json"  # an accuracy rerun beside the costs of an earlier run
-    saved.write_text(json.dumps({"costs": [{**report["costs"][0], "ratio_to_noadapt": 1.3}]}))
-    for stages in ("4", "1-4"):
-        (tmp_path / f"bench-resnet50_gn-{stages}" / "cost.json").unlink()
-    assert main([str(tmp_path), "--model-dirs", str(tmp_path), "models",
-                 "--costs-from", str(saved)]) == 0
-    rerun = json.loads((tmp_path / "layers.json").read_text())
-    assert [r["ratio_to_noadapt"] for r in rerun["costs"]] == [1.3]
-    assert rerun["accuracy"] == report["accuracy"]
 
 
 def test_the_seeds_summary_averages_each_seeds_cost_of_the_budget(tmp_path):
