@@ -1,5 +1,6 @@
-"""The README's numbers come from runs: the demo's line and the budget, layer and GPU tables
-are the committed runs' results."""
+"""The README's and the docs' numbers come from runs: the demo's line and table, and the
+budget, layer, hostile, quantization, GPU and serving tables of docs/results/, are the
+committed runs' results, verbatim."""
 
 from __future__ import annotations
 
@@ -10,6 +11,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+
+
+def page(name: str) -> str:
+    """The text of docs/results/<name>.md."""
+    return (RESULTS / f"{name}.md").read_text()
+
+
+def tables(text: str) -> list[str]:
+    """Every Markdown table of ``text`` (runs of lines that start with '|')."""
+    return [t.strip() for t in re.findall(r"(?:^\|.*\n?)+", text, flags=re.M)]
 
 
 def test_the_demo_line_is_the_committed_demo_run():
@@ -23,47 +35,78 @@ def test_the_demo_line_is_the_committed_demo_run():
         round(averages["noadapt"], 1), round(averages["eva0"], 1))
 
 
+@pytest.mark.parametrize("where", ["README.md", "docs/results/demo.md"])
+def test_the_headline_table_is_the_committed_demo_run(where):
+    """The README's one results table, and the demo page's, are bench/results/demo/results.md's
+    table, and both name that run."""
+    text = (ROOT / where).read_text()
+    (table,) = tables((ROOT / "bench" / "results" / "demo" / "results.md").read_text())
+    assert table in text, f"{where}'s demo table is not bench/results/demo/results.md"
+    assert "bench/results/demo/" in text
+
+
 def test_the_budget_and_layer_tables_are_the_committed_runs():
     """``make budget``'s, ``make layers``' and ``make hostile``'s tables, as their summaries
     wrote them to bench/results/{budget,layers,layers/vit-300,foa-budget,soak-budget,hostile}/,
-    appear in the README verbatim."""
-    readme = (ROOT / "README.md").read_text()
-    for run, name in (("budget", "budget"), ("layers", "layers"), ("layers/vit-300", "layers"),
-                      ("foa-budget", "budget"), ("soak-budget", "budget"), ("hostile", "hostile")):
+    appear verbatim on the results pages, which name the run."""
+    for run, name, where in (("budget", "budget", "budget"), ("layers", "layers", "layers"),
+                             ("layers/vit-300", "layers", "layers"),
+                             ("foa-budget", "budget", "budget"),
+                             ("soak-budget", "budget", "budget"),
+                             ("hostile", "hostile", "hostile")):
+        text = page(where)
         table = (ROOT / "bench" / "results" / run / f"{name}.md").read_text().strip()
-        assert table in readme, f"the README's {run} table is not bench/results/{run}/{name}.md"
+        assert table in text, f"docs/results/{where}.md's {run} table is not " \
+                              f"bench/results/{run}/{name}.md"
+        assert f"bench/results/{run}/" in text
 
 
 def test_the_gpu_tables_are_the_committed_gpu_run():
     """``bench/gpu_check.sh``'s tables, as bench/gpu_summary.py wrote them for the H100 run in
     bench/results/h100-2026-11-28/final/ and for the budget run in
-    bench/results/h100-budget/3-subgrid/, appear in the README verbatim."""
-    readme = (ROOT / "README.md").read_text()
+    bench/results/h100-budget/3-subgrid/, appear verbatim on docs/results/gpu.md."""
+    text = page("gpu")
     run = ROOT / "bench" / "results" / "h100-2026-11-28" / "final"
-    assert (run / "gpu.md").read_text().strip() in readme
-    assert "bench/results/h100-2026-11-28/final/" in readme
+    assert (run / "gpu.md").read_text().strip() in text
+    assert "bench/results/h100-2026-11-28/final/" in text
     budget = ROOT / "bench" / "results" / "h100-budget" / "3-subgrid"
-    assert (budget / "gpu.md").read_text().strip() in readme
-    assert "bench/results/h100-budget/3-subgrid/" in readme
+    assert (budget / "gpu.md").read_text().strip() in text
+    assert "bench/results/h100-budget/3-subgrid/" in text
 
 
 def test_the_asynchronous_serving_tables_are_the_committed_runs():
-    """The async_stream and serve_load tables of ``serve --async-adapt`` in the README are the
-    committed runs' (bench/results/async-stream/, bench/results/serve-async/), row for row."""
-    readme = (ROOT / "README.md").read_text()
+    """The async_stream and serve_load tables of ``serve --async-adapt`` on
+    docs/results/serving.md are the committed runs' (bench/results/async-stream/,
+    bench/results/serve-async/), row for row."""
+    text = page("serving")
     for run, stem in (("async-stream", "async_stream"), ("serve-async", "serve_load")):
-        text = (ROOT / "bench" / "results" / run / f"{stem}.md").read_text()
-        table = "\n".join(line for line in text.splitlines() if line.startswith("|"))
-        assert table in readme, f"the README's {run} table is not bench/results/{run}/{stem}.md"
+        summary = (ROOT / "bench" / "results" / run / f"{stem}.md").read_text()
+        table = "\n".join(line for line in summary.splitlines() if line.startswith("|"))
+        assert table in text, f"docs/results/serving.md's {run} table is not " \
+                              f"bench/results/{run}/{stem}.md"
+        assert f"bench/results/{run}" in text
 
 
 @pytest.mark.parametrize("run, stem", [("quant-speed", "quant_speed"),
                                        ("quant-accuracy", "quant_accuracy")])
 def test_the_quantized_tables_are_the_committed_runs(run, stem):
-    """``make quant``'s tables, as bench/results/quant-{speed,accuracy}/ have them."""
-    readme = (ROOT / "README.md").read_text()
-    text = (ROOT / "bench" / "results" / run / f"{stem}.md").read_text()
-    tables = re.findall(r"(?:^\|.*\n?)+", text, flags=re.M)
-    assert tables and f"bench/results/{run}/" in readme
-    for table in tables:
-        assert table.strip() in readme
+    """``make quant``'s tables, as bench/results/quant-{speed,accuracy}/ have them, on
+    docs/results/quantization.md."""
+    text = page("quantization")
+    found = tables((ROOT / "bench" / "results" / run / f"{stem}.md").read_text())
+    assert found and f"bench/results/{run}/" in text
+    for table in found:
+        assert table in text
+
+
+def test_every_committed_run_the_docs_name_exists():
+    """A results folder or file named in the README or the docs (`bench/results/...`,
+    `models/...`) is in the repository: a page never cites a run that is not committed."""
+    texts = [(ROOT / "README.md").read_text()] + [
+        p.read_text() for p in sorted((ROOT / "docs").rglob("*.md"))]
+    named = {m for text in texts
+             for m in re.findall(r"`((?:bench/results|models)/[^`\s]*)`", text)
+             if not set("*<{") & set(m)}
+    assert len(named) > 20
+    missing = sorted(p for p in named if not (ROOT / p).exists())
+    assert not missing, f"named in the docs but not committed: {missing}"
