@@ -16,8 +16,10 @@ from eva0_edge.runtime.cli import (
 )
 
 # where the steps' routine warnings come from: skipped steps (the engine), the health guard's
-# trips and verdicts (the controller)
-QUIET_LOGGERS = ("eva0_edge.runtime.engine", "eva0_edge.runtime.controller")
+# trips and verdicts (the policy), a method's values on a file without source statistics or
+# a shiftable head (the config, the shift)
+QUIET_LOGGERS = ("eva0_edge.runtime.engine", "eva0_edge.runtime.policy",
+                 "eva0_edge.runtime.config", "eva0_edge.runtime.shift")
 
 
 def _cmd_eval(args: argparse.Namespace) -> None:

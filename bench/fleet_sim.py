@@ -1,9 +1,10 @@
 """The fleet's merge rule without Ray or HTTP: the continual corrupted stream dealt round robin
-to N in-process replicas (real :class:`AdaptiveModel` s, one image each per step by default),
-which report to a real :class:`~eva0_edge.fleet.state_actor.FleetState` every ``--every``
-images of their own and apply what it answers, as ``serve --replicas N`` does; against one
-process fed the whole stream and the same replicas without merging. Deterministic (no timing,
-no router), so merge rules and windows can be compared over seeds in seconds.
+to N in-process replicas (real :class:`~eva0_edge.runtime.policy.Policy` s, one image each per
+step by default), which report to a real :class:`~eva0_edge.fleet.state_actor.FleetState`
+every ``--every`` images of their own and apply what it answers, as ``serve --replicas N``
+does; against one process fed the whole stream and the same replicas without merging.
+Deterministic (no timing, no router), so merge rules and windows can be compared over seeds in
+seconds.
 
     python -m eva0_edge.bench.fleet_sim --model models/resnet_gn_fmnist.onnx --limit 400 \\
         --replicas 4 --every 0,25 --seeds 1,2 --out out/fleet-sim
@@ -27,7 +28,7 @@ from eva0_edge.fleet.serve import shared_stream_load
 from eva0_edge.fleet.state_actor import FleetConfig, FleetState
 from eva0_edge.fleet.sync import FleetSync, InlineWorker, local_actor
 from eva0_edge.runtime.config import parse_key_values
-from eva0_edge.runtime.engine import AdaptiveModel
+from eva0_edge.runtime.policy import Policy
 
 from .evaluate import EvalSpec
 from .fleet_stream import continual_stream, per_domain
@@ -38,7 +39,7 @@ from .output import machine_line, write_outputs
 def one_process(model: str, method: str, config: dict[str, Any], x: np.ndarray, batch: int,
                 seed: int) -> np.ndarray:
     """Predicted class per image of ``x`` [N, C, H, W], adapted at ``batch`` in stream order."""
-    adaptive = AdaptiveModel.load(model, method, config or None, seed=seed, threads=1)
+    adaptive = Policy.load(model, method, config or None, seed=seed, threads=1)
     return np.concatenate([adaptive.step(x[s : s + batch]).argmax(1)
                            for s in range(0, len(x), batch)])
 
@@ -49,7 +50,7 @@ def fleet(model: str, method: str, config: dict[str, Any], x: np.ndarray, replic
     ``replicas`` replicas, each reporting to one fleet state every ``every`` of its own images
     (0: never) and installing the merged state it answers with, through the served fleet's own
     :class:`~eva0_edge.fleet.sync.FleetSync` (the actor and the model called in-process)."""
-    models = [AdaptiveModel.load(model, method, config or None, seed=seed * 1000 + r, threads=1)
+    models = [Policy.load(model, method, config or None, seed=seed * 1000 + r, threads=1)
               for r in range(replicas)]
     probe = models[0]
     state = FleetState(probe.state_dict(), probe.fingerprint, probe.state_sizes(), probe.method,
@@ -77,7 +78,7 @@ def run(model: str, method: str, config: dict[str, Any], limit: int, replicas: i
                     batch_size=batch, methods=[method], limit=limit, threads=1)
     env_start = environment()
     names, x, y = continual_stream(spec)
-    probe = AdaptiveModel.load(model, method, config or None, threads=1)
+    probe = Policy.load(model, method, config or None, threads=1)
     load = {"config": config}
     replica_config = shared_stream_load(load, probe, replicas)["config"] if divided else config
     rows: dict[str, dict[str, float]] = {}

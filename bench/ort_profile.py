@@ -20,6 +20,7 @@ from typing import Any
 from eva0_edge.runtime.cache import cache_dir
 from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.modelfile import read_metadata
+from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.session import AdaptableSession
 
 from .machine import environment
@@ -32,7 +33,7 @@ def op_times(path: str, method: str, batch: int, steps: int, threads: int | None
     with tempfile.TemporaryDirectory() as tmp:
         session = AdaptableSession(path, None, "cpu", threads,
                                    profile_prefix=str(Path(tmp) / method))
-        model = AdaptiveModel(session, method)
+        model = Policy(AdaptiveModel(session, method))
         x = random_batch(read_metadata(path), batch)
         for _ in range(steps + 1):
             model.step(x)

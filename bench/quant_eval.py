@@ -35,8 +35,8 @@ import numpy as np
 
 from eva0_edge.quant import quantize_model
 from eva0_edge.runtime.cache import cache_dir
-from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.modelfile import read_metadata
+from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.preprocess import preprocess_uint8
 
 from .datasets import Domain, fmnist_c_domains
@@ -63,7 +63,7 @@ def _accuracy_runs(path: str, domains: list[Domain], batch: int, threads: int | 
     out = {}
     for method in ("noadapt", "eva0"):
         result = run_protocol(
-            method, lambda m=method: AdaptiveModel.load(path, m, seed=0, provider="cpu",
+            method, lambda m=method: Policy.load(path, m, seed=0, provider="cpu",
                                                         threads=threads),
             domains, "single", batch, pre, progress=False,
         )
@@ -92,7 +92,7 @@ def _test_domains(indices: np.ndarray | None) -> list[Domain]:
 def _noadapt_hits(path: str, domains: list[Domain], batch: int,
                   threads: int | None) -> dict[str, np.ndarray]:
     """Per domain, bool [N]: NoAdapt's hit on each image (the paired comparison's input)."""
-    model = AdaptiveModel.load(path, "noadapt", seed=0, provider="cpu", threads=threads)
+    model = Policy.load(path, "noadapt", seed=0, provider="cpu", threads=threads)
     pre = read_metadata(path).preprocessing
     return {d.name: np.concatenate([model.predict(x).argmax(axis=1) == y
                                     for x, y in d.batches(batch, pre)]) for d in domains}
@@ -251,7 +251,7 @@ def run_speed(
               f"{quantize_cost[name]['peak_rss_mib']:.0f} MiB", flush=True)
         files[name] = str(path)
     sizes = {name: Path(path).stat().st_size / 2**20 for name, path in files.items()}
-    models = {(name, method): AdaptiveModel.load(path, method, seed=0, provider="cpu",
+    models = {(name, method): Policy.load(path, method, seed=0, provider="cpu",
                                                  threads=threads)
               for name, path in files.items() for method in ("noadapt", "eva0")}
     env = environment()

@@ -17,7 +17,6 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.methods import load_method
 from eva0_edge.runtime.server import ServeOptions, create_app
 
@@ -47,7 +46,7 @@ class EdgeReplica:
         replica = serve.get_replica_context().replica_id.unique_id
         seed = spec.seed + zlib.crc32(replica.encode()) % 100_000
         self.model = load_method(**{**spec.load, "seed": seed})
-        if not isinstance(self.model, AdaptiveModel):
+        if not self.model.spec.keeps_state:
             raise ValueError(f"the fleet merges EVA-0-family states; {spec.load['name']} keeps "
                              "none")
         self.sync = FleetSync(ray_actor(actor), replica, self.model, spec.sync_every_s)

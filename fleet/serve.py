@@ -13,8 +13,8 @@ import time
 import urllib.request
 from typing import Any
 
-from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.methods import load_method
+from eva0_edge.runtime.policy import Policy
 
 from .replica import EdgeReplica, ReplicaSpec
 from .state_actor import FleetConfig, FleetState
@@ -84,7 +84,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         )
 
 
-def fleet_actor(spec: ReplicaSpec, config: FleetConfig, probe: AdaptiveModel) -> Any:
+def fleet_actor(spec: ReplicaSpec, config: FleetConfig, probe: Policy) -> Any:
     """The named fleet-state actor of ``spec``'s model (created, or the running one); Ray
     restarts it if its process dies, and it resumes from ``config.state_dir``. ``probe``: the
     model loaded from ``spec`` (its initial state, fingerprint and sizes)."""
@@ -109,7 +109,7 @@ def fleet_application(
     if replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
     probe = probe if probe is not None else load_method(**spec.load)
-    if not isinstance(probe, AdaptiveModel):
+    if not probe.spec.keeps_state:
         raise ValueError(f"the fleet merges EVA-0-family states; {spec.load['name']} keeps none")
     actor = fleet_actor(spec, config, probe)
     spec = dataclasses.replace(spec, load=shared_stream_load(spec.load, probe, replicas))
@@ -122,7 +122,7 @@ def fleet_application(
     return deployment.bind(spec, actor)
 
 
-def shared_stream_load(load: dict[str, Any], probe: AdaptiveModel,
+def shared_stream_load(load: dict[str, Any], probe: Policy,
                        replicas: int) -> dict[str, Any]:
     """``load`` with the activation-shift window divided among the replicas. The ingress
     spreads one stream over them, so a replica sees every N-th image: a window of W/N of its

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from eva0_edge.runtime.engine import AdaptiveModel
+from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.server.worker import AdaptationWorker
 from eva0_edge.runtime.state import AdaptState
 
@@ -53,10 +53,10 @@ class InlineWorker:
     """Runs operations on the model at once, on the caller's thread (where one thread owns
     the model and steps it itself: the simulation, tests)."""
 
-    def __init__(self, model: AdaptiveModel) -> None:
+    def __init__(self, model: Policy) -> None:
         self.model = model
 
-    def call(self, operation: Callable[[AdaptiveModel], Any]) -> Future:
+    def call(self, operation: Callable[[Policy], Any]) -> Future:
         future: Future = Future()
         try:
             future.set_result(operation(self.model))
@@ -72,7 +72,7 @@ class FleetSync:
 
     name = "fleet"
 
-    def __init__(self, actor: ActorCall, replica: str, model: AdaptiveModel,
+    def __init__(self, actor: ActorCall, replica: str, model: Policy,
                  every_s: float) -> None:
         self.actor = actor
         self.replica = replica
@@ -89,7 +89,7 @@ class FleetSync:
         self.theta_digest: str | None = None  # of the fleet theta applied last
         self._join(model)
 
-    def _join(self, model: AdaptiveModel) -> None:
+    def _join(self, model: Policy) -> None:
         """Start from the newest fleet state (a new or restarted replica)."""
         self.version, merged = self.actor("join", self.replica)
         own = AdaptState.from_dict(model.state_dict())
@@ -117,14 +117,14 @@ class FleetSync:
                 self.failures += 1
                 log.warning("fleet sync of %s failed (will retry): %s", self.replica, err)
 
-    def state_replaced(self, model: AdaptiveModel) -> None:
+    def state_replaced(self, model: Policy) -> None:
         """An admin replaced the state (reset, PUT state; worker thread): account from it, so
         the jump is not reported as progress, and drop a sync in flight."""
         with self._lock:
             self._generation += 1
             self._account(model)
 
-    def _account(self, model: AdaptiveModel) -> None:
+    def _account(self, model: Policy) -> None:
         self._accounted = AdaptState.from_dict(model.state_dict())
         self._samples = model.session.counter.samples
         self._trips = model.health().guard_trips
@@ -133,7 +133,7 @@ class FleetSync:
         """Report the state (read on the worker thread) and apply the answer, if any."""
         assert self.worker is not None
 
-        def read(m: AdaptiveModel) -> tuple:
+        def read(m: Policy) -> tuple:
             with self._lock:
                 state = AdaptState.from_dict(m.state_dict())
                 health = m.health()
@@ -158,7 +158,7 @@ class FleetSync:
             return
         fleet_state = AdaptState.from_dict(merged)
 
-        def install(m: AdaptiveModel) -> bool:
+        def install(m: Policy) -> bool:
             with self._lock:
                 if generation != self._generation:
                     return False

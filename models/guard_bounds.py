@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 from eva0_edge.bench.evaluate import EvalSpec, load_domains
-from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.guard import GuardBounds
 from eva0_edge.runtime.modelfile import load_onnx, read_metadata, save_onnx, set_metadata
+from eva0_edge.runtime.policy import Policy
 
 WATCH_ONLY = {"guard": True, **{f"guard_{name}": None for name in GuardBounds.__dataclass_fields__}}
 SIGNALS = ("entropy", "spread", "logit_norm", "drift", "alignment")
@@ -32,7 +32,7 @@ SIGNALS = ("entropy", "spread", "logit_norm", "drift", "alignment")
 
 def record(model_path: str, domains, batch: int, threads: int) -> dict[str, list[float]]:
     """Every full-window value of every signal along one stream (no reset between domains)."""
-    model = AdaptiveModel.load(model_path, "eva0", WATCH_ONLY, provider="cpu", threads=threads)
+    model = Policy.load(model_path, "eva0", WATCH_ONLY, provider="cpu", threads=threads)
     pre = model.metadata.preprocessing
     seen: dict[str, list[float]] = {name: [] for name in SIGNALS}
     for domain in domains:

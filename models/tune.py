@@ -59,10 +59,10 @@ from eva0_edge.bench.prompt_variant import tune_log_path
 from eva0_edge.bench.protocols import StreamResult
 from eva0_edge.runtime.budget import forwards_bound
 from eva0_edge.runtime.config import AdaptConfig, parse_key_values
-from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.foa import FOA_METHODS, FOAConfig
 from eva0_edge.runtime.methods import is_prompt_method
 from eva0_edge.runtime.modelfile import load_onnx, read_metadata, save_onnx, set_metadata
+from eva0_edge.runtime.policy import Policy
 
 PROTOCOLS = ("single", "continual")
 SCALES = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
@@ -77,7 +77,7 @@ def current_values(model: str, method: str) -> dict[str, float]:
     if method in BACKPROP:
         default = PAPER_LR.get(metadata.family, 1e-3)
         return {"lr": metadata.tuned.get(method, {}).get("lr", default)}
-    return {"eta": AdaptiveModel.load(model, method, provider="cpu").config.eta}
+    return {"eta": Policy.load(model, method, provider="cpu").config.eta}
 
 
 def default_grid(model: str, method: str) -> list[dict[str, float]]:

@@ -14,7 +14,7 @@ from .config import parse_key_values
 from .registry import RUNTIME_KINDS, method_help
 
 if TYPE_CHECKING:
-    from .methods import RuntimeModel
+    from .policy import Policy
     from .server import ServeOptions
 
 log = logging.getLogger("eva0_edge")
@@ -208,7 +208,6 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from .data import open_input
-    from .foa import FOAModel
     from .methods import load_method
     from .predictions import PredictionWriter
     from .progress import progress_bar
@@ -217,7 +216,7 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
         args.model, args.method, method_overrides(args), args.seed, args.provider,
         low_memory=args.low_memory, io_binding=args.io_binding, **split_options(args),
     )
-    if isinstance(model, FOAModel):
+    if not model.spec.keeps_state:
         if args.state:
             raise ValueError(
                 f"--state: {args.method}'s CMA-ES search state cannot be saved or resumed yet; "
@@ -248,7 +247,7 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
                     break
         except (ValueError, OSError) as err:  # a bad file in the stream (InputError included)
             failure = err
-    if args.state and not isinstance(model, FOAModel):
+    if args.state and model.spec.keeps_state:
         model.save_state(args.state)
     stats = model.stats()
     resumed = (f"; resumed at step {before['steps']}, {stats['steps']} in the state"
@@ -311,14 +310,12 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     _serve_fleet(args, model, options, level)
 
 
-def _serve_fleet(args: argparse.Namespace, model: RuntimeModel, options: ServeOptions,
+def _serve_fleet(args: argparse.Namespace, model: Policy, options: ServeOptions,
                  level: str) -> None:
     """``serve --replicas N``: the fleet on Ray Serve (the ``[fleet]`` extra)."""
     import dataclasses
 
-    from .engine import AdaptiveModel
-
-    if not isinstance(model, AdaptiveModel):
+    if not model.spec.keeps_state:
         raise ValueError(f"--replicas: the fleet merges EVA-0-family states; {model.method} "
                          "keeps none (serve it without --replicas)")
     try:

@@ -7,14 +7,21 @@ overrides. Every EVA-0 component is a switch so the paper's ablations can be rer
 from __future__ import annotations
 
 import ast
+import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from numbers import Integral, Real
-from typing import Any, get_args, get_type_hints
+from typing import TYPE_CHECKING, Any, get_args, get_type_hints
 
 import numpy as np
 
-from .budget import BURST_SAMPLES
+from .budget import BURST_SAMPLES, check_budget
+
+if TYPE_CHECKING:
+    from .metadata import ModelMetadata
+    from .registry import MethodSpec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -157,6 +164,52 @@ _FAMILY_RECOMMENDED: dict[str, dict[str, Any]] = {
     "vit": {"lambda_swa": 500.0, "alpha": 0.9},
     "resnet_gn": {"lambda_swa": 50.0, "alpha": 0.0},
 }
+
+
+def engine_config(
+    spec: MethodSpec, metadata: ModelMetadata, overrides: dict[str, Any]
+) -> AdaptConfig:
+    """The EVA-0-family method ``spec``'s values on the model of ``metadata``: the defaults,
+    then the file's recommended values, the method's overrides, the file's tuned values for the
+    method and the caller's ``overrides``, in that order; checked (ValueError naming the
+    value). Without source statistics lambda_swa is 0 (source-free, with a warning)."""
+    method = spec.name
+    config = AdaptConfig().updated(metadata.recommended)
+    config = config.updated(spec.overrides)
+    config = config.updated(metadata.tuned.get(method, {})).updated(overrides)
+    if config.lambda_swa > 0 and not metadata.has_source_stats:
+        if spec.adapts:
+            log.warning(
+                "%s: model has no source statistics; lambda_swa set to 0 (source-free). "
+                "Run `eva0-edge calibrate` to add them.",
+                method,
+            )
+        config = config.updated({"lambda_swa": 0.0})
+    if config.mu <= 0 or config.eta < 0 or not 0 <= config.gamma <= 1:
+        raise ValueError("need mu > 0, eta >= 0 and 0 <= gamma <= 1")
+    if not 0 <= config.alpha < 1 or not 0 <= config.momentum < 1:
+        raise ValueError("need 0 <= alpha < 1 and 0 <= momentum < 1")
+    if config.activation_shift < 0 or config.shift_window < 1:
+        raise ValueError("need activation_shift >= 0 (0: off) and shift_window >= 1 sample")
+    if config.activation_shift > 0 and not metadata.has_source_stats:
+        raise ValueError("activation_shift needs the model's source statistics (run "
+                         "`eva0-edge calibrate`)")
+    if config.reference_batch < 1 or config.coef_window < 1 or (
+        config.stat_window is not None and config.stat_window < 1
+    ):
+        raise ValueError("need reference_batch >= 1, coef_window >= 1, stat_window >= 1")
+    if (config.coef_clip is not None and config.coef_clip <= 0) or (
+        config.trust_radius is not None and config.trust_radius <= 0
+    ):
+        raise ValueError("coef_clip and trust_radius must be > 0 (or None: off)")
+    fp = config.forwards
+    if spec.adapts and (fp < 2 or fp % 2 or (fp != 2 and not config.two_sided)):
+        raise ValueError(
+            f"{method}: #FP (forwards) must be an even number >= 2 "
+            f"(exactly 2 for one-sided methods), got {fp}"
+        )
+    check_budget(method, config.budget, fp, config.budget_burst)
+    return config
 
 
 def recommended_for_family(family: str) -> dict[str, Any]:

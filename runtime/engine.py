@@ -18,9 +18,10 @@ A non-finite loss, gradient or theta is never written: the step is skipped and c
 
 Steps 1-4 are :class:`~.estimator.ZerothOrderEstimator` (the objective:
 :class:`~.estimator.Objective`), step 5 :func:`~.update.apply_update`; the rates are in
-:mod:`.rates`, the state and its file format in :mod:`.state`. :class:`AdaptiveModel` owns the
-state and does estimate -> update; what happens to a batch (serve, adapt, the health guard's
-duels, the compute budget) is decided in one place, :mod:`.controller`.
+:mod:`.rates`, the state and its file format in :mod:`.state`. :class:`AdaptiveModel` holds the
+state and does estimate -> update; it knows nothing of what owns it: what happens to a batch
+(serve, adapt, the health guard's duels, the compute budget) and the state's bytes and files
+are the :class:`~.policy.Policy`'s.
 """
 
 from __future__ import annotations
@@ -28,34 +29,22 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .budget import ComputeBudget, check_budget
-from .config import AdaptConfig
-from .controller import StepController
+from .config import engine_config
 from .estimator import GradientEstimate, Objective, PreparedEstimate, ZerothOrderEstimator
-from .guard import HealthGuard, alignment_distance
-from .head import HeadError
+from .guard import alignment_distance
 from .metadata import ModelMetadata
 from .monitoring import Health, StepStats
 from .perturbation import AnchorShare
 from .registry import REGISTRY, MethodSpec, parse_method
 from .session import AdaptableSession
-from .shift import ActivationShift, load_shift
-from .state import (
-    AdaptState,
-    StateError,
-    check_state_sizes,
-    decode_state,
-    encode_state,
-    read_state_file,
-    write_state_file,
-)
-from .statelimits import MAX_PAUSE_BATCH, SCALE_MARGIN, StateLimits
+from .shift import configured_shift
+from .state import AdaptState, StateError, check_state_sizes
+from .statelimits import state_limits, state_sizes
 from .update import apply_update
 
 log = logging.getLogger(__name__)
@@ -89,10 +78,12 @@ class ServedPass:
 
 
 class AdaptiveModel:
-    """An adaptable model plus a method and its state.
+    """An adaptable model plus an EVA-0-family method and its state: config -> estimate ->
+    update -> state. What happens to a batch is decided by the :class:`~.policy.Policy` that
+    owns it (``load_method`` returns that).
 
     >>> model = AdaptiveModel.load("vit.onnx", method="eva0", seed=0)
-    >>> logits = model.step(x)  # predicts and adapts; x: [B, C, H, W] normalised float32
+    >>> served, shift_changed, prediction = model.adapt(model.session.check_input(x))
 
     ``prefetch``: draw the next step's perturbations on a worker thread while ORT runs the
     current one (the same numbers; default: on CUDA only, see
@@ -118,7 +109,7 @@ class AdaptiveModel:
                 "--prompts T` (this file adapts norm parameters)"
             )
         self.spec = METHODS[method]
-        self.config = self._resolve_config({**fp, **(config or {})})
+        self.config = engine_config(self.spec, self.metadata, {**fp, **(config or {})})
         self.fingerprint = model_fingerprint(self.metadata)
         arrays = self.metadata.arrays
         self.source_stats = (
@@ -130,48 +121,13 @@ class AdaptiveModel:
             session, self.config, Objective(self.config, self.source_stats),
             prefetch=session.device == "cuda" if prefetch is None else prefetch,
         )
-        self.shift = self._load_shift("activation_shift" in {**fp, **(config or {})})
-        self.limits = self._state_limits()
+        self.shift = configured_shift(session, self.config, self.method,
+                                      "activation_shift" in {**fp, **(config or {})})
+        self.limits = state_limits(self.config, self.metadata, self.source_stats, self.shift)
         self.seed = int(seed)
         self.last = StepStats()
-        self.asynchronous = False
         self._generation = 0  # counts the jumps of theta that are not steps (see current)
         self.reset()
-
-    def _load_shift(self, asked: bool) -> ActivationShift | None:
-        """The activation shift, or None when it is off; a file whose head cannot be shifted
-        refuses a shift the user asked for, and runs unshifted (with a warning) when the
-        shift came from the file's tuned values (a quantized copy of a tuned file)."""
-        cfg = self.config
-        if cfg.activation_shift <= 0:
-            return None
-        try:
-            return load_shift(self.session, cfg.activation_shift, cfg.shift_window, cfg.shift_max)
-        except HeadError as err:
-            if asked:
-                raise
-            log.warning("%s: activation shift off: %s", self.method, err)
-            return None
-
-    def _state_limits(self) -> StateLimits:
-        """How far an installed state may be from this model (see :mod:`.statelimits`)."""
-        cfg, md = self.config, self.metadata
-        theta_radius = max(float(np.sqrt(md.num_params)), cfg.guard_drift_max or 0.0)
-        limits = StateLimits(
-            md.theta0.astype(np.float32), theta_radius, cfg.eta,
-            max(cfg.guard_pause, cfg.guard_warmup) + MAX_PAUSE_BATCH,
-        )
-        if self.source_stats is not None:
-            mean, std = self.source_stats
-            energy = float((mean**2 + std**2).sum())
-            limits = replace(limits, feature_energy=SCALE_MARGIN**2 * energy)
-        if self.shift is not None:
-            source = self.shift.source_mean
-            scale = SCALE_MARGIN * max(float(np.linalg.norm(source)),
-                                       float(np.sqrt(source.size)))
-            limits = replace(limits, shift_source=source, shift_square_max=scale**2,
-                             shift_radius=scale)
-        return limits
 
     @classmethod
     def load(
@@ -187,44 +143,6 @@ class AdaptiveModel:
     def method(self) -> str:
         return self.spec.name
 
-    def _resolve_config(self, overrides: dict[str, Any]) -> AdaptConfig:
-        config = AdaptConfig().updated(self.metadata.recommended)
-        config = config.updated(self.spec.overrides)
-        config = config.updated(self.metadata.tuned.get(self.method, {})).updated(overrides)
-        if config.lambda_swa > 0 and not self.metadata.has_source_stats:
-            if self.spec.adapts:
-                log.warning(
-                    "%s: model has no source statistics; lambda_swa set to 0 (source-free). "
-                    "Run `eva0-edge calibrate` to add them.",
-                    self.method,
-                )
-            config = config.updated({"lambda_swa": 0.0})
-        if config.mu <= 0 or config.eta < 0 or not 0 <= config.gamma <= 1:
-            raise ValueError("need mu > 0, eta >= 0 and 0 <= gamma <= 1")
-        if not 0 <= config.alpha < 1 or not 0 <= config.momentum < 1:
-            raise ValueError("need 0 <= alpha < 1 and 0 <= momentum < 1")
-        if config.activation_shift < 0 or config.shift_window < 1:
-            raise ValueError("need activation_shift >= 0 (0: off) and shift_window >= 1 sample")
-        if config.activation_shift > 0 and not self.metadata.has_source_stats:
-            raise ValueError("activation_shift needs the model's source statistics (run "
-                             "`eva0-edge calibrate`)")
-        if config.reference_batch < 1 or config.coef_window < 1 or (
-            config.stat_window is not None and config.stat_window < 1
-        ):
-            raise ValueError("need reference_batch >= 1, coef_window >= 1, stat_window >= 1")
-        if (config.coef_clip is not None and config.coef_clip <= 0) or (
-            config.trust_radius is not None and config.trust_radius <= 0
-        ):
-            raise ValueError("coef_clip and trust_radius must be > 0 (or None: off)")
-        fp = config.forwards
-        if self.spec.adapts and (fp < 2 or fp % 2 or (fp != 2 and not config.two_sided)):
-            raise ValueError(
-                f"{self.method}: #FP (forwards) must be an even number >= 2 "
-                f"(exactly 2 for one-sided methods), got {fp}"
-            )
-        check_budget(self.method, config.budget, fp, config.budget_burst)
-        return config
-
     # ----------------------------------------------------------------- state
     def reset(self) -> None:
         """Back to the source parameters and empty online statistics (same seed)."""
@@ -232,57 +150,22 @@ class AdaptiveModel:
         self.state = AdaptState.initial(md.theta0, md.num_classes, md.num_features, self.seed)
         self._generation += 1
         self._share = AnchorShare(self.config.anchor_per_64)
-        self.control = StepController(self)
         self.last = StepStats()
 
     @property
-    def guard(self) -> HealthGuard | None:
-        """The health guard (None when off); its windows live in :attr:`control`."""
-        return self.control.guard
-
-    @property
-    def budget(self) -> ComputeBudget | None:
-        """The compute budget (None: adapt on every batch); it lives in :attr:`control`."""
-        return self.control.budget
-
-    def set_asynchronous(self, asynchronous: bool = True) -> None:
-        """Adapt apart from serving (the asynchronous server): batches are served with
-        :meth:`~.controller.StepController.serve_step` and adapted on later by passes
-        (:meth:`~.controller.StepController.begin_pass`), so the compute budget charges an
-        adapted sample all its #FP forwards beyond the served one. The guard's windows start
-        again."""
-        self.asynchronous = bool(asynchronous)
-        self._sync_state()
-        self._install(self.state)
+    def frozen(self) -> bool:
+        return self.state.frozen
 
     def freeze(self, frozen: bool = True) -> None:
         """Predict with the current theta and stop adapting (``frozen``), or resume."""
         self.state.frozen = bool(frozen)
 
-    def state_dict(self) -> dict[str, Any]:
-        """A deep copy of the state (arrays and scalars)."""
-        self._sync_state()
-        return self.state.to_dict()
-
-    def load_state_dict(self, values: dict[str, Any]) -> None:
-        """Replace the state; shapes are checked before anything changes."""
-        state = AdaptState.from_dict(values)
-        self._check_state(state)
-        self._install(state)
-
     def state_sizes(self) -> dict[str, int]:
         """Elements of every state array for this model."""
-        md = self.metadata
-        return {
-            "theta": md.num_params, "anchor": md.num_params, "velocity": md.num_params,
-            "healthy_theta": md.num_params,
-            "center": md.num_classes, "mean": md.num_features, "second_moment": md.num_features,
-            "shift_mean": md.num_features,  # at most: the head input is one feature segment
-            "shift_recent": md.num_features,
-        }
+        return state_sizes(self.metadata)
 
-    def _check_state(self, state: AdaptState) -> None:
-        """Shapes, then magnitudes against this model (:mod:`.statelimits`)."""
+    def check_state(self, state: AdaptState) -> None:
+        """Shapes, then magnitudes against this model (:mod:`.statelimits`); StateError."""
         check_state_sizes(state, self.state_sizes())
         for name in ("shift_mean", "shift_recent"):
             size = getattr(state, name).size
@@ -291,61 +174,23 @@ class AdaptiveModel:
                                  f"has {self.shift.head.width}")
         self.limits.check(state)
 
-    def _install(self, state: AdaptState) -> None:
+    def install(self, state: AdaptState) -> None:
+        """Make a checked ``state`` (:meth:`check_state`) the model's."""
         self.state = state
         self._generation += 1
         self.seed = state.seed
         self._share = AnchorShare(self.config.anchor_per_64)
         self._share.credit = state.anchor_credit
-        self.control = StepController(self)  # the guard's signal windows warm up again
-        if self.budget is not None:
-            self.budget.fill = state.budget_fill
 
-    def state_bytes(self) -> bytes:
-        """The state as checksummed npz bytes (see :mod:`state`)."""
-        self._sync_state()
-        return encode_state(self.state, self.fingerprint, {"method": self.method})
-
-    def _sync_state(self) -> None:
-        """Copy the running counters that live outside the state into it."""
+    def sync_state(self) -> None:
+        """Copy the anchor share's running credit, which lives outside the state, into it."""
         self.state.anchor_credit = self._share.credit
-        if self.budget is not None:
-            self.state.budget_fill = self.budget.fill
-
-    def parse_state_bytes(self, data: bytes) -> AdaptState:
-        """Decode and validate state bytes for this model (sizes from the archive headers
-        first, checksum, fingerprint, every value and shape) without touching the current
-        state, so it may run on any thread; StateError names what is wrong."""
-        state, _ = decode_state(data, self.fingerprint, self.state_sizes())
-        self._check_state(state)
-        return state
-
-    def install_state(self, state: AdaptState) -> None:
-        """Replace the state with one from :meth:`parse_state_bytes`."""
-        self._install(state)
-
-    def load_state_bytes(self, data: bytes) -> None:
-        self._install(self.parse_state_bytes(data))
-
-    def save_state(self, path: str | os.PathLike) -> Path:
-        """Write the state atomically (temp file, fsync, rename)."""
-        return write_state_file(path, self.state_bytes())
-
-    def load_state(self, path: str | os.PathLike) -> None:
-        """Load a state file written by :meth:`save_state` for this model."""
-        state, _ = read_state_file(path, self.fingerprint, self.state_sizes())
-        self._check_state(state)
-        self._install(state)
 
     # ----------------------------------------------------------------- stats
-    @property
-    def forwards_per_sample(self) -> float:
-        return self.session.counter.per_sample
-
     def stats(self) -> dict[str, Any]:
-        """Counters and health of the adaptation (JSON-serialisable)."""
+        """Counters and health of the adaptation (JSON-serialisable; the policy adds the
+        budget's and the guard's)."""
         counter = self.session.counter
-        drift = self.drift()
         return {
             "method": self.method,
             "steps": self.state.step,
@@ -355,39 +200,20 @@ class AdaptiveModel:
             "forwards_per_sample": counter.per_sample,
             "clipped_coefficients": self.state.clipped_coefs,
             "clipped_steps": self.state.clipped_steps,
-            "drift": drift,
+            "drift": self.drift(),
             "mean_entropy": self.last.entropy,
             "mean_logit_norm": self.last.logit_norm,
             "frozen": self.state.frozen,
             "paused_samples_left": self.state.pause_left,
-            "activation_shift": None if self.shift is None else {
-                "strength": self.shift.strength,
-                "samples_weight": self.state.shift_weight,
-                "restarts": self.shift.restarts,
-                "stream_changes": self.shift.changes,
-                "logit_offset_norm": float(np.linalg.norm(self._logit_offset())),
-            },
-            "budget": None if self.budget is None else self.budget.summary(),
-            "guard": None if self.guard is None else {
-                "trips": self.state.guard_trips,
-                "last_reason": self.guard.last_reason,
-                "pause_verdicts": dict(self.guard.verdicts),
-                "audits": self.guard.audits,
-                "signals": self.guard.values(drift, self.alignment()),
-                "bounds": asdict(self.guard.bounds),
-            },
+            "activation_shift": None if self.shift is None else self.shift.summary(self.state),
         }
 
     def health(self) -> Health:
-        """The counters a server exports (see :class:`~.monitoring.Health`)."""
+        """The counters a server exports (see :class:`~.monitoring.Health`; the guard's audits
+        and verdicts are the policy's)."""
         st = self.state
-        guard = self.guard
-        return Health(
-            st.step, self.drift(), st.guard_trips, st.clipped_coefs,
-            self.spec.adapts and not (st.frozen or st.pause_left > 0),
-            guard.audits if guard else 0,
-            guard.verdicts["theta0"] + guard.verdicts["hold"] if guard else 0,
-        )
+        return Health(st.step, self.drift(), st.guard_trips, st.clipped_coefs,
+                      self.spec.adapts and not (st.frozen or st.pause_left > 0))
 
     def drift(self) -> float:
         """||theta - theta0||."""
@@ -413,12 +239,6 @@ class AdaptiveModel:
         logits, features = self.session.run(x, theta)
         self.session.counter.samples += x.shape[0]
         return logits, features
-
-    def step(self, x: np.ndarray) -> np.ndarray:
-        """Predict and (for adapting methods) adapt on the batch; returns logits [B, K]
-        (activation-shifted when the shift is on; its test mean learns from the batch unless
-        frozen). What happens to the batch is :meth:`~.controller.StepController.step`'s."""
-        return self.control.step(x)
 
     def serve(self, x: np.ndarray) -> tuple[np.ndarray, bool]:
         """One forward at the current theta on the checked batch x [B, C, H, W]
@@ -455,8 +275,8 @@ class AdaptiveModel:
 
     def begin_served(self, x: np.ndarray) -> ServedPass:
         """Begin the method's step on a checked batch x [B, C, H, W] that was already served
-        (the asynchronous server's pass, :attr:`asynchronous`): the perturbed rows now, then
-        :meth:`run_served`, then :meth:`finish_served` while the pass is :meth:`current`. As
+        (the asynchronous server's :class:`~.policy.AdaptationPass`): the perturbed rows now,
+        then :meth:`run_served`, then :meth:`finish_served` while the pass is :meth:`current`. As
         :meth:`adapt`, but nothing is served, the activation shift does not see the batch
         again and its samples are not counted again (its rows are)."""
         n_anchor = self._anchor_rows(x.shape[0])

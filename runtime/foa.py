@@ -16,8 +16,8 @@ Per batch x [B, C, H, W] on a prompt model (``eva0-edge export --prompts T``):
 
 ``foa-dagger`` is FOA with lambda = 0 and no shifting: entropy only, no source statistics.
 
-What happens to a batch is decided by the :class:`~.controller.StepController`, as for the
-EVA-0 family: with a compute budget (``budget``, forwards per sample, 1 to K) a batch the budget
+What happens to a batch is decided by the :class:`~.policy.Policy` that owns the model, as for
+the EVA-0 family: with a compute budget (``budget``, forwards per sample, 1 to K) a batch the budget
 does not pay for is served under the best prompt so far with one forward per sample, its head
 inputs entering the shifting's EMA (:meth:`FOAModel.serve`); the others get the K-candidate
 step above (:meth:`FOAModel.adapt`). FOA has no health guard: the guard's bounds are calibrated
@@ -33,9 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from .budget import BURST_SAMPLES, ComputeBudget, check_budget
+from .budget import BURST_SAMPLES, check_budget
 from .config import replaced
-from .controller import StepController
 from .losses import softmax_entropy
 from .metadata import ModelMetadata
 from .monitoring import Health, StepStats
@@ -92,23 +91,14 @@ FOA_METHODS: dict[str, dict[str, Any]] = {
 }
 
 
-@dataclass
-class FOAState:
-    """What the step controller reads and writes of FOA's state: ``frozen``, and the guard's
-    ``pause_left`` (always 0: FOA has no guard). The search itself (the CMA-ES object, the best
-    prompt, the shifting's EMA) lives on :class:`FOAModel`."""
-
-    frozen: bool = False
-    pause_left: int = 0
-
-
 class FOAModel:
-    """FOA or FOA-dagger over a prompt model; the stream interface of :class:`AdaptiveModel`
-    (``step``, ``predict``, ``reset``, ``stats``), its batches decided by a
-    :class:`~.controller.StepController` (the compute budget; no guard).
+    """FOA or FOA-dagger over a prompt model: the batch interface of :class:`AdaptiveModel`
+    (``predict``, ``serve``, ``adapt``, ``reset``, ``stats``), its batches decided by the
+    :class:`~.policy.Policy` that owns it (the compute budget; no guard, no kept state). The
+    search (the CMA-ES object, the best prompt, the shifting's EMA) lives here.
 
     >>> model = FOAModel.load("vit_prompt.onnx", "foa", seed=0)
-    >>> logits = model.step(x)  # [B, K]; K forwards per sample
+    >>> logits, _, _ = model.adapt(model.session.check_input(x))  # [B, K]; K forwards/sample
     """
 
     def __init__(
@@ -139,7 +129,6 @@ class FOAModel:
                      self.config.budget_burst)
         self.spec = REGISTRY[base]
         self.shift = None  # FOA's activation shifting is its own EMA (head_shift), no window
-        self.asynchronous = False  # the asynchronous server adapts EVA-0-family methods only
         needs_source = self.config.lambda_fit > 0 or self.config.shift
         if needs_source and not metadata.has_source_stats:
             raise ValueError(
@@ -196,22 +185,12 @@ class FOAModel:
         self.best_fitness = float("nan")
         self.test_mean: np.ndarray | None = None
         self.steps = 0
-        self.state = FOAState()
-        self.control = StepController(self)
+        self.frozen = False
         self.last = StepStats()
-
-    @property
-    def frozen(self) -> bool:
-        return self.state.frozen
-
-    @property
-    def budget(self) -> ComputeBudget | None:
-        """The compute budget (None: the K-candidate step on every batch)."""
-        return self.control.budget
 
     def freeze(self, frozen: bool = True) -> None:
         """Predict with the best prompt so far and stop searching (``frozen``), or resume."""
-        self.state.frozen = bool(frozen)
+        self.frozen = bool(frozen)
 
     def health(self) -> Health:
         """The counters a server exports; FOA has no guard and clips nothing."""
@@ -234,7 +213,6 @@ class FOAModel:
             "mean_entropy": self.last.entropy,
             "mean_logit_norm": self.last.logit_norm,
             "frozen": self.frozen,
-            "budget": None if self.budget is None else self.budget.summary(),
         }
 
     def predict(self, x: np.ndarray) -> np.ndarray:
@@ -243,7 +221,7 @@ class FOAModel:
         return self._run_best(self.session.check_input(x))[0]
 
     def serve(self, x: np.ndarray) -> tuple[np.ndarray, bool]:
-        """A batch the controller serves without the search (the compute budget said wait):
+        """A batch the policy serves without the search (the compute budget said wait):
         :meth:`predict` on the checked batch x [B, C, H, W], its head inputs then entering the
         shifting's EMA as a step's candidates do. Returns the logits [B, K] and False (no
         change detector of its own)."""
@@ -258,12 +236,6 @@ class FOAModel:
         self.session.counter.samples += x.shape[0]
         self.last = StepStats.of(shifted)
         return self.session.owned(shifted), features
-
-    def step(self, x: np.ndarray) -> np.ndarray:
-        """The controller's decision on the batch x [B, C, H, W]: the K-candidate step
-        (:meth:`adapt`), or, frozen or when the compute budget says wait, one forward under the
-        best prompt. Returns the (activation-shifted) logits [B, K]."""
-        return self.control.step(x)
 
     def adapt(self, x: np.ndarray) -> tuple[np.ndarray, bool, np.ndarray]:
         """Evaluate K candidate prompts on the checked batch x, update CMA-ES; the best

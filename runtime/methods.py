@@ -10,11 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .engine import AdaptiveModel
-from .foa import FOAModel
+from .policy import Policy
 from .registry import RUNTIME_KINDS, method_names, spec_of
-
-RuntimeModel = AdaptiveModel | FOAModel  # what load_method returns; both share the stream API
 
 RUNTIME_METHODS = method_names(*RUNTIME_KINDS)
 PROMPT_METHODS = method_names(*RUNTIME_KINDS, prompt_model=True)
@@ -41,12 +38,12 @@ def load_method(
     io_binding: bool | None = None,
     split: bool | None = None,
     memory_budget_mb: float | None = None,
-) -> RuntimeModel:
+) -> Policy:
     """Open ``path`` with ONNX Runtime under method ``name`` (any runtime method, ``@FP``
-    allowed); ``config`` overrides the method's hyper-parameters; ``low_memory``,
-    ``io_binding``, ``split`` and ``memory_budget_mb``: see
+    allowed): the :class:`~eva0_edge.runtime.policy.Policy` that owns the method's model.
+    ``config`` overrides the method's hyper-parameters; ``low_memory``, ``io_binding``,
+    ``split`` and ``memory_budget_mb``: see
     :class:`~eva0_edge.runtime.session.AdaptableSession`."""
-    model_cls = FOAModel if spec_of(name, *RUNTIME_KINDS).kind == "foa" else AdaptiveModel
-    return model_cls.load(path, name, config, seed, provider=provider, threads=threads,
-                          low_memory=low_memory, io_binding=io_binding, split=split,
-                          memory_budget_mb=memory_budget_mb)
+    return Policy.load(path, name, config, seed, provider=provider, threads=threads,
+                       low_memory=low_memory, io_binding=io_binding, split=split,
+                       memory_budget_mb=memory_budget_mb)

@@ -1,12 +1,12 @@
 """Every method eva0-edge knows, in one table.
 
-A :class:`MethodSpec` says what a method is (``kind``: the EVA-0-family engine
-:class:`~eva0_edge.runtime.engine.AdaptiveModel`, FOA's
-:class:`~eva0_edge.runtime.foa.FOAModel`, or a torch backprop baseline that only the benchmarks
-run), what it costs (forward passes per sample), what it needs (a black-box prompt model) and
-how it differs from its kind's defaults (config overrides). Everything else is derived from this
-table: the engine's and FOA's method lists, the runtime methods ``adapt`` / ``eval`` / ``bench``
-accept, the torch baselines of ``eval``, and the CLI's help.
+A :class:`MethodSpec` says what a method is (``kind``: the EVA-0-family engine, FOA's CMA-ES
+search, or a torch backprop baseline that only the benchmarks run), what it costs (forward
+passes per sample), what it needs (a black-box prompt model), what it can do (keep a state,
+run the health guard, adapt apart from serving) and how it differs from its kind's defaults
+(config overrides). Everything else is derived from this table: the engine's and FOA's method
+lists, the runtime methods ``adapt`` / ``eval`` / ``bench`` accept, the torch baselines of
+``eval``, and the CLI's help.
 
 Names take an optional ``@FP`` suffix, the forward passes per sample of an adapting runtime
 method (``eva0-clubs@8``, ``foa-dagger@14``).
@@ -28,7 +28,12 @@ _PLAIN = {"shortcut_resistant": False, "center": False, "anchor_per_64": 0.0, "g
 class MethodSpec:
     """One method. ``overrides``: values applied over its kind's defaults (``AdaptConfig`` for
     the engine, ``FOAConfig`` for FOA). ``forwards_per_sample``: forward passes per sample at
-    its default #FP (a torch baseline: its forwards, backward passes not counted)."""
+    its default #FP (a torch baseline: its forwards, backward passes not counted).
+
+    What it can do, asked of the entry and never of a type: ``keeps_state`` (a state that is
+    saved, resumed, installed over HTTP and merged across a fleet), ``guard`` (the health
+    guard can watch it: its bounds are calibrated on adapted norm parameters),
+    ``separate_step`` (its step can run apart from serving: the asynchronous server)."""
 
     name: str
     kind: str
@@ -37,6 +42,9 @@ class MethodSpec:
     adapts: bool = True
     prompt_model: bool = False
     overrides: dict[str, Any] = field(default_factory=dict)
+    keeps_state: bool = True
+    guard: bool = True
+    separate_step: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -73,13 +81,20 @@ for _spec in (
                prompt_model=True, overrides={"lambda_swa": 0.0}),
     MethodSpec("foa", "foa", FOA_FORWARDS,
                "FOA: CMA-ES over input prompts, fitness entropy + feature alignment, "
-               "activation shifting", prompt_model=True),
+               "activation shifting", prompt_model=True,
+               # the CMA-ES search state is not persisted, a prompt has no calibrated guard
+               # bounds, and the step serves the batch it searches on
+               keeps_state=False, guard=False, separate_step=False),
     MethodSpec("foa-dagger", "foa", FOA_FORWARDS,
                "FOA-dagger: entropy-only fitness, no shifting, source-free",
-               prompt_model=True, overrides={"lambda_fit": 0.0, "shift": False}),
-    MethodSpec("tent", "torch", 1, "TENT (torch, backprop; benchmarks only)"),
-    MethodSpec("sar", "torch", 2, "SAR (torch, backprop; benchmarks only)"),
-    MethodSpec("deyo", "torch", 2, "DeYO (torch, backprop; benchmarks only)"),
+               prompt_model=True, overrides={"lambda_fit": 0.0, "shift": False},
+               keeps_state=False, guard=False, separate_step=False),
+    MethodSpec("tent", "torch", 1, "TENT (torch, backprop; benchmarks only)",
+               keeps_state=False, guard=False, separate_step=False),
+    MethodSpec("sar", "torch", 2, "SAR (torch, backprop; benchmarks only)",
+               keeps_state=False, guard=False, separate_step=False),
+    MethodSpec("deyo", "torch", 2, "DeYO (torch, backprop; benchmarks only)",
+               keeps_state=False, guard=False, separate_step=False),
 ):
     register(_spec)
 

@@ -22,6 +22,9 @@ the bound on the validation corruptions (``models/shift_bound.py``).
 
 from __future__ import annotations
 
+import logging
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from .head import HeadError, LinearHead, cached_head
@@ -29,6 +32,11 @@ from .metadata import ModelMetadata
 from .rates import window_factor, windowed_update
 from .session import AdaptableSession
 from .state import AdaptState
+
+if TYPE_CHECKING:
+    from .config import AdaptConfig
+
+log = logging.getLogger(__name__)
 
 BOUND_SAMPLES = 64
 RECENT_SAMPLES = 32
@@ -140,6 +148,16 @@ class ActivationShift:
         noise = max(variance, 0.0) / effective
         return max(0.0, 1.0 - noise / max(float(gap @ gap), 1e-30))
 
+    def summary(self, state: AdaptState) -> dict[str, float | int]:
+        """What the statistics report of the shift on ``state`` (JSON-serialisable)."""
+        return {
+            "strength": self.strength,
+            "samples_weight": state.shift_weight,
+            "restarts": self.restarts,
+            "stream_changes": self.changes,
+            "logit_offset_norm": float(np.linalg.norm(self.offset(state))),
+        }
+
     def restart(self, state: AdaptState) -> None:
         """Empty both windows."""
         state.shift_weight = state.shift_recent_weight = 0.0
@@ -206,3 +224,21 @@ def load_shift(
                         "reproduce its logits from its features; activation shifting is "
                         "not available for this file")
     return ActivationShift(head, source_mean, strength, window, max_distance)
+
+
+def configured_shift(
+    session: AdaptableSession, config: AdaptConfig, method: str, asked: bool
+) -> ActivationShift | None:
+    """The activation shift ``config`` sets (None when it is off); a file whose head cannot be
+    shifted refuses a shift the user ``asked`` for, and runs unshifted (with a warning) when
+    the shift came from the file's tuned values (a quantized copy of a tuned file)."""
+    if config.activation_shift <= 0:
+        return None
+    try:
+        return load_shift(session, config.activation_shift, config.shift_window,
+                          config.shift_max)
+    except HeadError as err:
+        if asked:
+            raise
+        log.warning("%s: activation shift off: %s", method, err)
+        return None

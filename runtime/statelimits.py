@@ -28,11 +28,17 @@ Every bound is many times what the shipped models reach on the severity-5 stream
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .state import AdaptState, StateError
+
+if TYPE_CHECKING:
+    from .config import AdaptConfig
+    from .metadata import ModelMetadata
+    from .shift import ActivationShift
 
 MAX_PAUSE_BATCH = 2**16  # the largest batch whose pause a state may carry
 SCALE_MARGIN = 10.0  # the activation and feature bounds: 10x the source's scale
@@ -107,3 +113,39 @@ class StateLimits:
                     f"state {square_name} = {square:.4g} is below the squared norm of "
                     f"{mean_name} ({norm2:.4g}): not moments of one set of samples"
                 )
+
+
+def state_limits(
+    config: AdaptConfig, metadata: ModelMetadata,
+    source_stats: tuple[np.ndarray, np.ndarray] | None, shift: ActivationShift | None,
+) -> StateLimits:
+    """How far an installed state may be from the model of ``metadata`` under ``config``
+    (``source_stats``: the source feature mean and std [F], or None; ``shift``: the activation
+    shift, or None)."""
+    theta_radius = max(float(np.sqrt(metadata.num_params)), config.guard_drift_max or 0.0)
+    limits = StateLimits(
+        metadata.theta0.astype(np.float32), theta_radius, config.eta,
+        max(config.guard_pause, config.guard_warmup) + MAX_PAUSE_BATCH,
+    )
+    if source_stats is not None:
+        mean, std = source_stats
+        energy = float((mean**2 + std**2).sum())
+        limits = replace(limits, feature_energy=SCALE_MARGIN**2 * energy)
+    if shift is not None:
+        source = shift.source_mean
+        scale = SCALE_MARGIN * max(float(np.linalg.norm(source)), float(np.sqrt(source.size)))
+        limits = replace(limits, shift_source=source, shift_square_max=scale**2,
+                         shift_radius=scale)
+    return limits
+
+
+def state_sizes(metadata: ModelMetadata) -> dict[str, int]:
+    """Elements of every state array for the model of ``metadata``."""
+    md = metadata
+    return {
+        "theta": md.num_params, "anchor": md.num_params, "velocity": md.num_params,
+        "healthy_theta": md.num_params,
+        "center": md.num_classes, "mean": md.num_features, "second_moment": md.num_features,
+        "shift_mean": md.num_features,  # at most: the head input is one feature segment
+        "shift_recent": md.num_features,
+    }

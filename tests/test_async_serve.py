@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from eva0_edge.runtime.controller import LEARN_BLOCK
-from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.methods import load_method
+from eva0_edge.runtime.policy import LEARN_BLOCK, Policy
 from eva0_edge.runtime.server.worker import AdaptationWorker
 from tests.serving import ServerProcess, http_call
 
@@ -55,8 +54,8 @@ def started():
 def test_an_answer_is_the_forward_at_theta_before_its_own_adaptation(started):
     """The first request is answered at theta0; the idle pass then adapts on it (its 4 rows
     fill a pass); the next request is answered at exactly the theta that pass left."""
-    model = AdaptiveModel.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
-    reference = AdaptiveModel.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
+    model = Policy.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
+    reference = Policy.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
     worker = started(model, max_batch=4)
     first, second = images(4, 0), images(4, 1)
     np.testing.assert_allclose(worker.submit(first).result(30), reference.predict(first),
@@ -74,12 +73,12 @@ def test_an_answer_is_the_forward_at_theta_before_its_own_adaptation(started):
 
 
 def test_no_input_is_adapted_on_before_its_request_is_answered(started):
-    model = AdaptiveModel.load(MODEL, "eva0", {"guard": False}, provider="cpu")
+    model = Policy.load(MODEL, "eva0", {"guard": False}, provider="cpu")
     worker = started(model)
     submitted: list[tuple[np.ndarray, object]] = []
     lock = threading.Lock()
     early: list[int] = []
-    begin = model.control.begin_pass
+    begin = model.begin_pass
 
     def watched(x: np.ndarray):
         with lock:
@@ -89,7 +88,7 @@ def test_no_input_is_adapted_on_before_its_request_is_answered(started):
                     early.append(rows.shape[0])
         return begin(x)
 
-    model.control.begin_pass = watched
+    model.begin_pass = watched
 
     def client(seed: int) -> None:
         for i in range(6):
@@ -124,24 +123,24 @@ def test_small_batches_are_learnt_from_in_blocks():
     learnt from once the block is full: the windows, the budget's credit and the forward
     counter then read as if the block had come as one batch."""
     config = {"budget": 1.5, "guard": False}
-    blocks, whole = (AdaptiveModel.load(MODEL, "eva0", config, provider="cpu") for _ in range(2))
+    blocks, whole = (Policy.load(MODEL, "eva0", config, provider="cpu") for _ in range(2))
     plain = load_method(MODEL, "noadapt", provider="cpu")
     for model in (blocks, whole):
         model.set_asynchronous()
         for seed in range(8):
-            model.control.serve_step(blocky(LEARN_BLOCK, seed))
+            model.serve_step(blocky(LEARN_BLOCK, seed))
         model.budget.credit = 100.0  # room below the cap, so what is earned shows
     credit, weight = blocks.budget.credit, blocks.state.shift_weight
     parts = [blocky(2, 100 + i) for i in range(LEARN_BLOCK // 2)]
     offsets = []
     for part in parts[:-1]:
-        offsets.append(blocks.control.serve_step(part) - plain.predict(part))
+        offsets.append(blocks.serve_step(part) - plain.predict(part))
         assert (blocks.budget.credit, blocks.state.shift_weight) == (credit, weight)
     assert np.abs(offsets[0]).max() > 0.5
     for offset in offsets[1:]:
         np.testing.assert_allclose(offset[0], offsets[0][0], atol=1e-5)
-    blocks.control.serve_step(parts[-1])
-    whole.control.serve_step(np.concatenate(parts))
+    blocks.serve_step(parts[-1])
+    whole.serve_step(np.concatenate(parts))
     np.testing.assert_array_equal(blocks.state.shift_mean, whole.state.shift_mean)
     assert blocks.budget.credit == whole.budget.credit == credit + 0.5 * LEARN_BLOCK
     assert blocks.stats()["samples"] == whole.stats()["samples"] == 9 * LEARN_BLOCK
@@ -150,7 +149,7 @@ def test_small_batches_are_learnt_from_in_blocks():
 def test_what_reads_the_state_sees_the_served_samples_learnt_from(started):
     """Three single images wait for their block; a control operation learns from them first,
     so the activation shift's window holds them."""
-    model = AdaptiveModel.load(MODEL, "eva0", {"budget": 1.5, "guard": False}, provider="cpu")
+    model = Policy.load(MODEL, "eva0", {"budget": 1.5, "guard": False}, provider="cpu")
     worker = started(model, max_batch=64)
     for seed in range(3):
         worker.submit(blocky(1, seed)).result(30)
@@ -158,18 +157,18 @@ def test_what_reads_the_state_sees_the_served_samples_learnt_from(started):
     assert samples == 3 and weight == pytest.approx(1 - model.shift.factor**3)
 
 
-def held_passes(model: AdaptiveModel) -> tuple[threading.Event, list[tuple[int, int]]]:
+def held_passes(model: Policy) -> tuple[threading.Event, list[tuple[int, int]]]:
     """Make the model's pass ORT calls wait for the returned event; the list collects each
     call's thread id and that thread's scheduling policy."""
     release, seen = threading.Event(), []
-    run = model.run_served
+    run = model.model.run_served
 
     def held(served):
         seen.append((threading.get_ident(), os.sched_getscheduler(threading.get_native_id())))
         assert release.wait(30)
         return run(served)
 
-    model.run_served = held
+    model.model.run_served = held
     return release, seen
 
 
@@ -177,8 +176,8 @@ def test_serving_goes_on_while_a_pass_runs(started):
     """A running pass holds no request: the next batch is answered at the theta before the
     pass, by the worker, while the pass's ORT call runs on the pass thread (scheduled only on
     idle CPU); the update lands once the call is done."""
-    model = AdaptiveModel.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
-    reference = AdaptiveModel.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
+    model = Policy.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
+    reference = Policy.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
     release, seen = held_passes(model)
     worker = started(model, max_batch=4)
     worker.submit(images(4, 0)).result(30)
@@ -197,13 +196,13 @@ def test_serving_goes_on_while_a_pass_runs(started):
 
 @pytest.mark.parametrize("move", [
     lambda m: m.reset(),
-    lambda m: m.roll_back(m.metadata.theta0),  # the guard's: the same state object
+    lambda m: m.model.roll_back(m.metadata.theta0),  # the guard's: the same state object
     lambda m: m.load_state_bytes(m.state_bytes()),
 ], ids=["reset", "roll-back", "state-installed"])
 def test_a_pass_the_state_moved_away_from_is_dropped(started, move):
     """A reset, roll-back or installed state while the pass's ORT call runs: its update is of a
     theta no longer there, so it is dropped (counted), and theta stays theta0."""
-    model = AdaptiveModel.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
+    model = Policy.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
     release, seen = held_passes(model)
     worker = started(model, max_batch=4)
     worker.submit(images(4, 0)).result(30)
@@ -218,7 +217,7 @@ def test_a_pass_the_state_moved_away_from_is_dropped(started, move):
 
 def test_budget_one_serves_what_noadapt_shift_serves(started):
     """F = 1: no adaptation pass is paid for; every answer is noadapt-shift's, one forward."""
-    model = AdaptiveModel.load(MODEL, "eva0", {"budget": 1.0}, provider="cpu")
+    model = Policy.load(MODEL, "eva0", {"budget": 1.0}, provider="cpu")
     reference = load_method(MODEL, "noadapt-shift", provider="cpu")
     worker = started(model, max_batch=3)
     for seed in range(5):
@@ -233,7 +232,7 @@ def test_the_budget_charges_an_adapted_sample_its_forwards_beyond_the_served_one
     """F = 1.5 on 1600 samples: the forward counter stays within the budget plus the bucket's
     burst (the model's ``budget_burst`` samples' worth of F - 1), though every adapted sample
     also paid its served forward."""
-    model = AdaptiveModel.load(MODEL, "eva0", {"budget": 1.5, "guard": False}, provider="cpu")
+    model = Policy.load(MODEL, "eva0", {"budget": 1.5, "guard": False}, provider="cpu")
     worker = started(model)
     for seed in range(200):  # each request fills a pass: adapted on or declined, then the next
         worker.submit(images(8, seed)).result(30)

@@ -10,6 +10,7 @@ from eva0_edge.bench.fashion_mnist import load_fashion_mnist
 from eva0_edge.runtime.config import AdaptConfig
 from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.modelfile import read_metadata
+from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.preprocess import preprocess_uint8
 from eva0_edge.runtime.rates import (
     statistics_window,
@@ -71,7 +72,7 @@ def test_step_rates_are_the_paper_values_at_64_and_per_sample_below():
 
 
 def test_engine_statistics_follow_the_window_rule(small_vit):
-    model = AdaptiveModel.load(small_vit.onnx_path, "eva0", {"eta": 0.0}, provider="cpu")
+    model = Policy.load(small_vit.onnx_path, "eva0", {"eta": 0.0}, provider="cpu")
     logits = model.step(uniform_batch(6))
     factor = window_factor(statistics_window(model.config))
     expected, weight = windowed_update(np.zeros(logits.shape[1]), 0.0, logits, factor)
@@ -137,7 +138,7 @@ def _blow_up_one_side(model: AdaptiveModel, monkeypatch) -> None:
 def test_engine_clips_a_blown_up_side_and_bounds_the_step(calibrated_vit, monkeypatch):
     """One sample's + side gets absurd logits: its coefficient is clipped and counted, and the
     step stays within the trust radius."""
-    model = AdaptiveModel.load(calibrated_vit, "eva0", {"eta": 0.01}, provider="cpu")
+    model = Policy.load(calibrated_vit, "eva0", {"eta": 0.01}, provider="cpu")
     for seed in range(4):
         model.step(uniform_batch(8, seed))
     _blow_up_one_side(model, monkeypatch)
@@ -154,7 +155,7 @@ def test_a_step_longer_than_the_trust_radius_is_cut_to_it(calibrated_vit, monkey
     a trust radius of 0.001; theta moves by exactly the radius and the cut is counted."""
     config = {"eta": 0.01, "coef_clip": None, "gamma": 0.0, "trust_radius": 0.001,
               "anchor_per_64": 0.0}
-    model = AdaptiveModel.load(calibrated_vit, "eva0", config, provider="cpu")
+    model = Policy.load(calibrated_vit, "eva0", config, provider="cpu")
     model.step(uniform_batch(8, 0))
     _blow_up_one_side(model, monkeypatch)
     before, cuts = model.state.theta.copy(), model.stats()["clipped_steps"]
@@ -165,7 +166,7 @@ def test_a_step_longer_than_the_trust_radius_is_cut_to_it(calibrated_vit, monkey
 
 
 def test_version_one_state_dicts_still_load(calibrated_vit):
-    model = AdaptiveModel.load(calibrated_vit, "eva0", provider="cpu")
+    model = Policy.load(calibrated_vit, "eva0", provider="cpu")
     model.step(uniform_batch(4))
     legacy = model.state_dict()
     for name in ("stat_weight", "coef_scale", "coef_weight", "clipped_coefs", "clipped_steps"):
@@ -185,9 +186,9 @@ def _clean_stream(path, count: int) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_batch_one_on_a_clean_stream_does_not_lose_to_noadapt(path):
     x, y = _clean_stream(path, 256)
-    noadapt = AdaptiveModel.load(path, "noadapt", provider="cpu", threads=1)
+    noadapt = Policy.load(path, "noadapt", provider="cpu", threads=1)
     reference = 100 * float((noadapt.predict(x).argmax(1) == y).mean())
-    model = AdaptiveModel.load(path, "eva0", provider="cpu", threads=1)
+    model = Policy.load(path, "eva0", provider="cpu", threads=1)
     hits = sum(int(model.step(x[i : i + 1]).argmax(1)[0] == y[i]) for i in range(len(y)))
     stats = model.stats()
     assert 100 * hits / len(y) >= reference - 1.0

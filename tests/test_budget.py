@@ -9,8 +9,8 @@ import pytest
 from eva0_edge.bench.datasets import corrupted_fmnist
 from eva0_edge.bench.fashion_mnist import load_fashion_mnist
 from eva0_edge.runtime.budget import BURST_SAMPLES, ComputeBudget, forwards_bound
-from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.modelfile import read_metadata
+from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.preprocess import preprocess_uint8
 from tests.test_testbed import SHIPPED
 
@@ -66,19 +66,19 @@ def test_the_guards_duels_are_paid_for_before_adaptation_goes_on():
 def test_a_budget_outside_one_to_the_methods_forwards_is_refused():
     for bad in (0.5, 2.5):
         with pytest.raises(ValueError, match="budget must be between 1 and"):
-            AdaptiveModel.load(RESNET, "eva0", {"budget": bad})
+            Policy.load(RESNET, "eva0", {"budget": bad})
     for bad in (0, -3, 1 << 21):
         with pytest.raises(ValueError, match="budget_burst must be between 1 and"):
-            AdaptiveModel.load(RESNET, "eva0", {"budget": 1.5, "budget_burst": bad})
+            Policy.load(RESNET, "eva0", {"budget": 1.5, "budget_burst": bad})
         with pytest.raises(ValueError, match="budget_burst must be between 1 and"):
-            AdaptiveModel.load(RESNET, "eva0", {"budget_burst": bad})  # no budget set (yet)
+            Policy.load(RESNET, "eva0", {"budget_burst": bad})  # no budget set (yet)
     with pytest.raises(ValueError, match="budget_burst must be int"):
-        AdaptiveModel.load(RESNET, "eva0", {"budget": 1.5, "budget_burst": 12.5})
+        Policy.load(RESNET, "eva0", {"budget": 1.5, "budget_burst": 12.5})
 
 
 @pytest.mark.parametrize("burst", [BURST_SAMPLES, 128])
 def test_the_forward_counter_stays_within_the_budget(fmnist_clean, burst):
-    model = AdaptiveModel.load(RESNET, "eva0", {"budget": 1.25, "budget_burst": burst},
+    model = Policy.load(RESNET, "eva0", {"budget": 1.25, "budget_burst": burst},
                                threads=1)
     for i in range(0, len(fmnist_clean), 16):
         model.step(fmnist_clean[i:i + 16])
@@ -95,7 +95,7 @@ def test_the_guards_duels_stay_within_the_budget(fmnist_clean):
     theta learnt before them against theta0 while the credit pays for it), clean again: the
     forward counter stays within the budget, its bucket, and one audit's overrun; the held
     theta gives way to theta0 once the credit cannot pay for the next duel."""
-    model = AdaptiveModel.load(RESNET, "eva0", {"budget": 1.25}, threads=1)
+    model = Policy.load(RESNET, "eva0", {"budget": 1.25}, threads=1)
     black = np.repeat(fmnist_clean[:1] * 0 + fmnist_clean.min(), 16, axis=0)
     stream = [fmnist_clean[i:i + 16] for i in range(0, 1024, 16)] + [black] * 64 + \
         [fmnist_clean[i:i + 16] for i in range(1024, 2048, 16)]
@@ -112,7 +112,7 @@ def test_samples_in_the_guards_duels_earn_their_credit_too(fmnist_clean):
     the adapted theta against theta0 (two forwards a sample) the credit moves by exactly
     (F - 1) n minus the forwards run beyond one a sample (it fell by all of them when only
     samples outside a duel earned, and the budget went unspent)."""
-    model = AdaptiveModel.load(RESNET, "eva0", {"budget": 1.5}, threads=1)
+    model = Policy.load(RESNET, "eva0", {"budget": 1.5}, threads=1)
     for i in range(0, 256, 16):
         model.step(fmnist_clean[i:i + 16])
     model.budget.credit = 100.0  # room below the cap, so nothing earned is cut off
@@ -139,7 +139,7 @@ def test_a_duel_is_lengthened_only_while_the_credit_pays_for_it():
     clean, noisy = (preprocess_uint8(corrupted_fmnist("test", kind, 1, 0, indices=np.arange(n),
                                                       progress=False)[0], pre)
                     for kind in ("clean", "gauss-0.3"))
-    model = AdaptiveModel.load(RESNET, "eva0", {"budget": 1.5}, threads=1)
+    model = Policy.load(RESNET, "eva0", {"budget": 1.5}, threads=1)
     lowest = 0.0
     for i in range(0, n, batch):
         model.step((noisy if (i // 48) % 2 else clean)[i:i + batch])
@@ -153,10 +153,10 @@ def test_a_budget_of_one_forward_is_the_activation_shift_alone(fmnist_clean):
     """No adaptation: bit for bit the source model with EVA-0's activation shift, one forward
     per sample (on one stream: a change of input also restarts the shift, which the
     non-adapting methods do not watch for)."""
-    model = AdaptiveModel.load(RESNET, "eva0", {"budget": 1.0}, threads=1)
+    model = Policy.load(RESNET, "eva0", {"budget": 1.0}, threads=1)
     shift = {k: getattr(model.config, k) for k in ("activation_shift", "shift_window",
                                                    "shift_max")}
-    source = AdaptiveModel.load(RESNET, "noadapt-shift", shift, threads=1)
+    source = Policy.load(RESNET, "noadapt-shift", shift, threads=1)
     for i in range(0, 1024, 16):
         x = fmnist_clean[i:i + 16]
         np.testing.assert_array_equal(model.step(x), source.step(x))
@@ -165,8 +165,8 @@ def test_a_budget_of_one_forward_is_the_activation_shift_alone(fmnist_clean):
 
 
 def test_a_full_budget_is_the_method_as_it_is(fmnist_clean):
-    full = AdaptiveModel.load(RESNET, "eva0", {"budget": 2.0}, threads=1)
-    plain = AdaptiveModel.load(RESNET, "eva0", threads=1)
+    full = Policy.load(RESNET, "eva0", {"budget": 2.0}, threads=1)
+    plain = Policy.load(RESNET, "eva0", threads=1)
     for i in range(0, 512, 16):
         x = fmnist_clean[i:i + 16]
         np.testing.assert_array_equal(full.step(x), plain.step(x))
@@ -174,13 +174,13 @@ def test_a_full_budget_is_the_method_as_it_is(fmnist_clean):
 
 
 def test_the_bucket_fill_is_saved_with_the_state(fmnist_clean, tmp_path):
-    model = AdaptiveModel.load(RESNET, "eva0", {"budget": 1.5}, threads=1)
+    model = Policy.load(RESNET, "eva0", {"budget": 1.5}, threads=1)
     for i in range(0, 768, 16):
         model.step(fmnist_clean[i:i + 16])
     fill = model.budget.fill
     assert 0 <= fill < 1
     path = model.save_state(tmp_path / "s.npz")
-    again = AdaptiveModel.load(RESNET, "eva0", {"budget": 1.5}, threads=1)
+    again = Policy.load(RESNET, "eva0", {"budget": 1.5}, threads=1)
     again.load_state(path)
     assert again.budget.fill == pytest.approx(fill)
     state = again.state_dict()

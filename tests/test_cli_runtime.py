@@ -187,7 +187,7 @@ def test_an_interrupted_adapt_keeps_the_predictions_and_the_state(tmp_path, sign
     import subprocess
     import time
 
-    from eva0_edge.runtime.engine import AdaptiveModel
+    from eva0_edge.runtime.policy import Policy
     from tests.test_testbed import SHIPPED
 
     stream, out, state = tmp_path / "x.npy", tmp_path / "p.jsonl", tmp_path / "s.npz"
@@ -206,7 +206,7 @@ def test_an_interrupted_adapt_keeps_the_predictions_and_the_state(tmp_path, sign
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert 0 < len(rows) < 20000 and len(rows) % 16 == 0
     assert not partial.exists()
-    model = AdaptiveModel.load(SHIPPED[1], "eva0")
+    model = Policy.load(SHIPPED[1], "eva0")
     model.load_state(state)
     assert 0 < model.state.step <= len(rows) // 16  # paused batches (the guard) take no step
 

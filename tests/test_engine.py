@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from eva0_edge.runtime.engine import METHODS, AdaptiveModel
+from eva0_edge.runtime.engine import METHODS
 from eva0_edge.runtime.modelfile import read_metadata
+from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.session import InputError
 from eva0_edge.runtime.state import StateError
 from tests.conftest import uniform_batch
@@ -46,11 +47,11 @@ def test_two_sided_estimate_aligns_with_true_gradient(small_vit):
     true = _true_entropy_gradient(small_vit, metadata, x)
     results = {}
     for name, sample_wise in (("sample", True), ("shared", False)):
-        model = AdaptiveModel.load(
+        model = Policy.load(
             small_vit.onnx_path, "eva0",
             {**PLAIN_ENTROPY, "sample_wise": sample_wise, "mu": 0.01}, seed=0, provider="cpu",
         )
-        estimates = [model.estimate(x, step_index=i).grad for i in range(300)]
+        estimates = [model.model.estimate(x, step_index=i).grad for i in range(300)]
         results[name] = (
             _cosine(np.mean(estimates, axis=0), true),
             np.mean([_cosine(g, true) for g in estimates]),
@@ -65,7 +66,7 @@ def test_two_sided_estimate_aligns_with_true_gradient(small_vit):
 @pytest.mark.parametrize("method,forwards", [("eva0", 2), ("noadapt", 1), ("zoa", 2),
                                              ("spsa2-shared", 2), ("eva0-dagger", 2)])
 def test_forwards_per_sample(small_vit, method, forwards):
-    model = AdaptiveModel.load(small_vit.onnx_path, method, provider="cpu")
+    model = Policy.load(small_vit.onnx_path, method, provider="cpu")
     for seed in range(3):
         model.step(uniform_batch(8, seed))
     assert model.forwards_per_sample == forwards == METHODS[method].forwards_per_sample
@@ -76,7 +77,7 @@ def test_short_stream_adapts_only_when_asked(calibrated_vit):
     theta0 = read_metadata(calibrated_vit).theta0
     drifts = {}
     for method in ("eva0", "noadapt", "zoa"):
-        model = AdaptiveModel.load(calibrated_vit, method, {"eta": 0.01}, provider="cpu")
+        model = Policy.load(calibrated_vit, method, {"eta": 0.01}, provider="cpu")
         for seed in range(4):
             model.step(uniform_batch(8, seed))
         drifts[method] = np.linalg.norm(model.state.theta - theta0)
@@ -89,7 +90,7 @@ def test_short_stream_adapts_only_when_asked(calibrated_vit):
 def test_prediction_is_mean_of_the_two_sides(small_vit):
     """The served logits are the mean of the theta + mu z and theta - mu z rows of the one ORT
     call (recorded), which differ from each other and sit symmetrically about theta."""
-    model = AdaptiveModel.load(small_vit.onnx_path, "eva0", {"eta": 0.0, "gamma": 0.0},
+    model = Policy.load(small_vit.onnx_path, "eva0", {"eta": 0.0, "gamma": 0.0},
                                provider="cpu")
     x = uniform_batch(4)
     calls = []
@@ -113,7 +114,7 @@ def test_prediction_is_mean_of_the_two_sides(small_vit):
 @pytest.mark.parametrize("batch", [4, 64])
 def test_relaxation_pulls_toward_anchor_per_reference_batch(small_vit, batch):
     """gamma is per 64 samples: a step of B keeps (1 - gamma)^(B / 64) of the offset."""
-    model = AdaptiveModel.load(small_vit.onnx_path, "eva0",
+    model = Policy.load(small_vit.onnx_path, "eva0",
                                {"eta": 0.0, "gamma": 0.25, "anchor_per_64": 0.0},
                                provider="cpu")
     anchor = model.state.anchor.copy()
@@ -128,9 +129,9 @@ def test_relaxation_pulls_toward_anchor_per_reference_batch(small_vit, batch):
 def test_sgd_update_is_minus_eta_times_estimate_per_reference_batch(small_vit, batch):
     """eta is per 64 samples: a step of B moves theta by eta B / 64 times the estimate."""
     cfg = {"eta": 0.05, "gamma": 0.0, "anchor_per_64": 0.0, "coef_clip": None}
-    model = AdaptiveModel.load(small_vit.onnx_path, "eva0", cfg, provider="cpu")
+    model = Policy.load(small_vit.onnx_path, "eva0", cfg, provider="cpu")
     x = uniform_batch(batch)
-    estimate = model.estimate(x)
+    estimate = model.model.estimate(x)
     before = model.state.theta.astype(np.float64)
     model.step(x)
     expected = before - 0.05 * batch / 64 * estimate.grad
@@ -138,7 +139,7 @@ def test_sgd_update_is_minus_eta_times_estimate_per_reference_batch(small_vit, b
 
 
 def test_batch_one_gets_its_anchor_row_every_64_steps(small_vit):
-    model = AdaptiveModel.load(small_vit.onnx_path, "eva0", {"eta": 0.01}, provider="cpu")
+    model = Policy.load(small_vit.onnx_path, "eva0", {"eta": 0.01}, provider="cpu")
     seen = []
     x = uniform_batch(1)
     for _ in range(128):
@@ -150,7 +151,7 @@ def test_batch_one_gets_its_anchor_row_every_64_steps(small_vit):
 
 def test_runs_are_reproducible_under_a_seed(small_vit):
     def run(seed):
-        model = AdaptiveModel.load(small_vit.onnx_path, "eva0", {"eta": 0.01}, seed=seed,
+        model = Policy.load(small_vit.onnx_path, "eva0", {"eta": 0.01}, seed=seed,
                                    provider="cpu")
         outs = [model.step(uniform_batch(8, s)) for s in range(3)]
         return model.state.theta, np.concatenate(outs)
@@ -166,7 +167,7 @@ def test_runs_are_reproducible_under_a_seed(small_vit):
 def test_regenerated_perturbations_equal_stored_ones(calibrated_vit):
     results = []
     for regenerate in (False, True):
-        model = AdaptiveModel.load(calibrated_vit, "eva0",
+        model = Policy.load(calibrated_vit, "eva0",
                                    {"eta": 0.01, "regenerate_z": regenerate, "anchor_per_64": 16},
                                    provider="cpu")
         for s in range(3):
@@ -182,12 +183,12 @@ def test_prefetched_perturbations_give_the_same_run(calibrated_vit):
     for config in ({"anchor_per_64": 16}, {"sample_wise": False}):
         runs = []
         for prefetch in (False, True):
-            model = AdaptiveModel.load(calibrated_vit, "eva0", {"eta": 0.01, **config}, seed=4,
+            model = Policy.load(calibrated_vit, "eva0", {"eta": 0.01, **config}, seed=4,
                                        prefetch=prefetch, provider="cpu")
-            assert (model.estimator.prefetch is not None) == prefetch
+            assert (model.model.estimator.prefetch is not None) == prefetch
             outs = [model.step(uniform_batch(b, s)) for s, b in enumerate(batches)]
             if prefetch:  # every step after the first took its rows from the one before
-                assert model.estimator.prefetch.hits == len(batches) - 1
+                assert model.model.estimator.prefetch.hits == len(batches) - 1
             runs.append((model.state.theta.copy(), np.concatenate(outs)))
         np.testing.assert_array_equal(runs[0][0], runs[1][0])
         np.testing.assert_array_equal(runs[0][1], runs[1][1])
@@ -196,33 +197,33 @@ def test_prefetched_perturbations_give_the_same_run(calibrated_vit):
 
 def test_state_round_trip_gives_identical_next_step(calibrated_vit, tmp_path):
     cfg = {"eta": 0.01, "momentum": 0.9, "balance_beta": 0.9}
-    model = AdaptiveModel.load(calibrated_vit, "eva0", cfg, seed=3, provider="cpu")
+    model = Policy.load(calibrated_vit, "eva0", cfg, seed=3, provider="cpu")
     for s in range(3):
         model.step(uniform_batch(8, s))
     model.save_state(tmp_path / "state.npz")
     expected_logits = model.step(uniform_batch(8, 10))
     expected_theta = model.state.theta.copy()
 
-    fresh = AdaptiveModel.load(calibrated_vit, "eva0", cfg, seed=0, provider="cpu")
+    fresh = Policy.load(calibrated_vit, "eva0", cfg, seed=0, provider="cpu")
     fresh.load_state(tmp_path / "state.npz")
     np.testing.assert_array_equal(fresh.step(uniform_batch(8, 10)), expected_logits)
     np.testing.assert_array_equal(fresh.state.theta, expected_theta)
 
-    other = AdaptiveModel.load(calibrated_vit, "eva0", cfg, provider="cpu")
+    other = Policy.load(calibrated_vit, "eva0", cfg, provider="cpu")
     other.load_state_dict(model.state_dict())
     assert other.state.step == model.state.step
     assert other.state_dict()["anchor_credit"] == model.state_dict()["anchor_credit"] > 0
 
 
 def test_corrupt_or_foreign_state_is_refused(calibrated_vit, small_resnet_gn, tmp_path):
-    model = AdaptiveModel.load(calibrated_vit, "eva0", provider="cpu")
+    model = Policy.load(calibrated_vit, "eva0", provider="cpu")
     model.step(uniform_batch(4))
     path = model.save_state(tmp_path / "state.npz")
     data = bytearray(path.read_bytes())
     (tmp_path / "truncated.npz").write_bytes(bytes(data[: len(data) // 2]))
     with pytest.raises(StateError):
         model.load_state(tmp_path / "truncated.npz")
-    foreign = AdaptiveModel.load(small_resnet_gn.onnx_path, "eva0", provider="cpu")
+    foreign = Policy.load(small_resnet_gn.onnx_path, "eva0", provider="cpu")
     with pytest.raises(StateError, match="another model"):
         foreign.load_state(path)
     bad = model.state_dict()
@@ -234,7 +235,7 @@ def test_corrupt_or_foreign_state_is_refused(calibrated_vit, small_resnet_gn, tm
 
 
 def test_reset_restores_source(calibrated_vit):
-    model = AdaptiveModel.load(calibrated_vit, "eva0", {"eta": 0.05}, provider="cpu")
+    model = Policy.load(calibrated_vit, "eva0", {"eta": 0.05}, provider="cpu")
     model.step(uniform_batch(8))
     assert model.stats()["drift"] > 0
     model.reset()
@@ -264,7 +265,7 @@ def test_reset_restores_source(calibrated_vit):
 def test_bad_input_is_refused_before_any_state_change(calibrated_vit, bad, match, method,
                                                        config):
     """On the method's step and on a batch the budget serves: refused, nothing learnt."""
-    model = AdaptiveModel.load(calibrated_vit, method, config, provider="cpu")
+    model = Policy.load(calibrated_vit, method, config, provider="cpu")
     model.step(uniform_batch(4))
     before = model.state_dict()
     with pytest.raises(InputError, match=match):
@@ -279,7 +280,7 @@ def test_bad_input_to_the_shift_alone_is_refused_before_it_learns(value, match):
     """noadapt-shift (serving only, its activation shift learning) refuses a bad batch before
     the shift's window sees it."""
     path = Path(__file__).resolve().parents[1] / "models" / "resnet_gn_fmnist.onnx"
-    model = AdaptiveModel.load(path, "noadapt-shift", threads=1)
+    model = Policy.load(path, "noadapt-shift", threads=1)
     assert model.shift is not None
     model.step(np.zeros((4, *model.metadata.preprocessing.input_size), np.float32))
     before = model.state_dict()
@@ -291,14 +292,14 @@ def test_bad_input_to_the_shift_alone_is_refused_before_it_learns(value, match):
 
 
 def test_non_finite_update_is_skipped_and_counted(calibrated_vit, monkeypatch):
-    model = AdaptiveModel.load(calibrated_vit, "eva0", {"eta": 1e300}, provider="cpu")
+    model = Policy.load(calibrated_vit, "eva0", {"eta": 1e300}, provider="cpu")
     model.state.theta = model.state.theta + 1.0  # off the anchor so the step is large
     theta = model.state.theta.copy()
     model.step(uniform_batch(4))
     assert model.stats()["skipped_steps"] == 1
     np.testing.assert_array_equal(model.state.theta, theta)
 
-    model = AdaptiveModel.load(calibrated_vit, "eva0", provider="cpu")
+    model = Policy.load(calibrated_vit, "eva0", provider="cpu")
     run = model.session.run
 
     def nan_logits(x, rows):
@@ -314,16 +315,16 @@ def test_non_finite_update_is_skipped_and_counted(calibrated_vit, monkeypatch):
 
 def test_unknown_method_and_hyper_parameter(small_vit):
     with pytest.raises(ValueError, match="unknown method"):
-        AdaptiveModel.load(small_vit.onnx_path, "tent")
+        Policy.load(small_vit.onnx_path, "tent")
     with pytest.raises(ValueError, match="unknown hyper-parameter"):
-        AdaptiveModel.load(small_vit.onnx_path, "eva0", {"learning_rate": 1})
+        Policy.load(small_vit.onnx_path, "eva0", {"learning_rate": 1})
 
 
 def test_metadata_recommendations_override_defaults(small_vit):
-    model = AdaptiveModel.load(small_vit.onnx_path, "eva0", provider="cpu")
+    model = Policy.load(small_vit.onnx_path, "eva0", provider="cpu")
     assert model.config.alpha == 0.9  # ViT recommendation from the export
     assert model.config.lambda_swa == 0.0  # no source statistics in this file
-    overridden = AdaptiveModel.load(small_vit.onnx_path, "eva0", {"alpha": 0.5}, provider="cpu")
+    overridden = Policy.load(small_vit.onnx_path, "eva0", {"alpha": 0.5}, provider="cpu")
     assert overridden.config.alpha == 0.5
 
 
@@ -338,15 +339,15 @@ def test_providers_resolve_and_missing_cuda_is_a_clear_error(small_vit):
     else:
         assert resolve_providers("auto") == ["CPUExecutionProvider"]
         with pytest.raises(ValueError, match="not available"):
-            AdaptiveModel.load(small_vit.onnx_path, "eva0", provider="cuda")
+            Policy.load(small_vit.onnx_path, "eva0", provider="cuda")
     with pytest.raises(ValueError, match="unknown provider"):
         resolve_providers("tpu")
 
 
 def test_low_memory_runs_the_same_steps(calibrated_vit):
     """Two ORT calls of N rows (low_memory) give the one call's logits, theta and counts."""
-    one = AdaptiveModel.load(calibrated_vit, "eva0", seed=3, provider="cpu")
-    two = AdaptiveModel.load(calibrated_vit, "eva0", seed=3, provider="cpu", low_memory=True)
+    one = Policy.load(calibrated_vit, "eva0", seed=3, provider="cpu")
+    two = Policy.load(calibrated_vit, "eva0", seed=3, provider="cpu", low_memory=True)
     for step in range(4):
         x = uniform_batch(8, seed=step)
         np.testing.assert_allclose(two.step(x), one.step(x), atol=1e-5)
@@ -371,9 +372,9 @@ def test_loading_parses_the_file_once(monkeypatch, tmp_path):
     bad.write_bytes(b"not a model")
     for split in (None, True, False):
         with pytest.raises(ModelFormatError, match="bad.onnx"):
-            AdaptiveModel.load(bad, provider="cpu", split=split)
-    assert AdaptiveModel.load(MODEL, "eva0", provider="cpu").session.parts is not None
+            Policy.load(bad, provider="cpu", split=split)
+    assert Policy.load(MODEL, "eva0", provider="cpu").session.parts is not None
     monkeypatch.setattr(onnx, "load", no_second_parse)
     for split in (None, False):
-        model = AdaptiveModel.load(MODEL, "eva0", provider="cpu", split=split)
+        model = Policy.load(MODEL, "eva0", provider="cpu", split=split)
         assert model.metadata.architecture and model.config.eta > 0

@@ -16,8 +16,8 @@ import pytest
 import tritonclient.http as httpclient
 
 from eva0_edge.bench.fashion_mnist import load_fashion_mnist
-from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.modelfile import read_metadata
+from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.preprocess import preprocess_uint8
 from eva0_edge.runtime.state import decode_state
 
@@ -99,7 +99,7 @@ def infer_each(server: ServerProcess, pixels: np.ndarray) -> list[np.ndarray | E
 
 
 def noadapt_predictions(pixels: np.ndarray) -> np.ndarray:
-    return AdaptiveModel.load(MODEL, "noadapt", threads=1).predict(pixels).argmax(1)
+    return Policy.load(MODEL, "noadapt", threads=1).predict(pixels).argmax(1)
 
 
 def test_the_local_ray_instance_listens_on_loopback_only(fleet):
@@ -168,6 +168,6 @@ def test_a_killed_replica_rejoins_from_the_fleet_state(fleet, pixels):
     assert newcomer["applied_version"] >= victim["applied_version"]  # joined from the fleet
     snapshots = sorted(fleet.state_dir.glob("snapshot-*.npz"))
     assert snapshots
-    model = AdaptiveModel.load(MODEL, "eva0", threads=1)
+    model = Policy.load(MODEL, "eva0", threads=1)
     state, info = decode_state(snapshots[-1].read_bytes(), model.fingerprint, model.state_sizes())
     assert info["fleet_version"] >= 1 and np.all(np.isfinite(state.theta))

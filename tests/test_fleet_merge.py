@@ -251,11 +251,11 @@ def test_a_replica_keeps_its_own_shift_windows_across_a_merge():
 
 def test_the_shift_window_is_divided_among_replicas_that_share_a_stream():
     from eva0_edge.fleet.serve import shared_stream_load
-    from eva0_edge.runtime.engine import AdaptiveModel
+    from eva0_edge.runtime.policy import Policy
 
     from .serving import MODEL
 
-    probe = AdaptiveModel.load(MODEL, "eva0", threads=1)
+    probe = Policy.load(MODEL, "eva0", threads=1)
     load = {"path": str(MODEL), "name": "eva0", "config": {}}
     window = probe.config.shift_window
     assert probe.config.activation_shift > 0
@@ -263,7 +263,7 @@ def test_the_shift_window_is_divided_among_replicas_that_share_a_stream():
     assert shared_stream_load(load, probe, 1000)["config"]["shift_window"] == 1.0
     own = {**load, "config": {"shift_window": 100.0}}
     assert shared_stream_load(own, probe, 4) == own  # the user's value is the replica's own
-    unshifted = AdaptiveModel.load(MODEL, "eva0", {"activation_shift": 0.0}, threads=1)
+    unshifted = Policy.load(MODEL, "eva0", {"activation_shift": 0.0}, threads=1)
     assert shared_stream_load(load, unshifted, 4) == load
 
 

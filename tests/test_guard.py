@@ -13,6 +13,7 @@ from eva0_edge.bench.fashion_mnist import load_fashion_mnist
 from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.guard import GuardBounds, HealthGuard
 from eva0_edge.runtime.modelfile import read_metadata
+from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.preprocess import preprocess_uint8
 from tests.test_testbed import SHIPPED
 
@@ -35,10 +36,10 @@ def clean() -> tuple[np.ndarray, np.ndarray]:
 def _watching(bounds: dict, eta_scale: float = 1.0) -> AdaptiveModel:
     """The ResNet-GN with only ``bounds`` set and no audit at a change of stream (the shift's
     detector fires on a collapsing model's features: these tests watch the bounds alone)."""
-    eta = AdaptiveModel.load(RESNET, "eva0", provider="cpu").config.eta
+    eta = Policy.load(RESNET, "eva0", provider="cpu").config.eta
     config = {"guard": True, **NO_BOUNDS, **bounds, "eta": eta * eta_scale,
               "guard_change_audit": False}
-    return AdaptiveModel.load(RESNET, "eva0", config, provider="cpu", threads=1)
+    return Policy.load(RESNET, "eva0", config, provider="cpu", threads=1)
 
 
 def _healthy_range(x: np.ndarray) -> dict[str, tuple[float, float]]:
@@ -91,7 +92,7 @@ def test_rollback_restores_exactly_the_saved_healthy_theta(clean):
         model.step(x[i : i + 16])
     saved = model.state.healthy_theta.copy()
     assert not np.array_equal(saved, read_metadata(RESNET).theta0)  # a checkpoint was taken
-    model.config = model.config.updated({"eta": model.config.eta * 1000})
+    model.model.config = model.config.updated({"eta": model.config.eta * 1000})
     model.step(x[640:656])
     assert model.state.guard_trips == 1
     np.testing.assert_array_equal(model.state.theta, saved)
@@ -104,7 +105,7 @@ def test_rollback_restores_exactly_the_saved_healthy_theta(clean):
 def test_a_second_trip_right_after_a_rollback_goes_to_theta0(clean):
     x, _ = clean
     model = _watching({"guard_drift_max": 5.0}, eta_scale=1000)
-    model.config = model.config.updated({"guard_pause": 16})
+    model.model.config = model.config.updated({"guard_pause": 16})
     for i in range(0, 1024, 16):
         model.step(x[i : i + 16])
         if model.state.guard_trips >= 2:
@@ -116,7 +117,7 @@ def test_a_second_trip_right_after_a_rollback_goes_to_theta0(clean):
 @pytest.mark.parametrize("batch", [1, 64])
 def test_no_trip_on_clean_images_with_the_shipped_bounds(clean, batch):
     x, _ = clean
-    model = AdaptiveModel.load(RESNET, "eva0", provider="cpu", threads=1)
+    model = Policy.load(RESNET, "eva0", provider="cpu", threads=1)
     assert model.config.guard and model.config.guard_drift_max is not None
     for i in range(0, 2048, batch):
         model.step(x[i : i + batch])
@@ -125,7 +126,7 @@ def test_no_trip_on_clean_images_with_the_shipped_bounds(clean, batch):
 
 def test_frozen_predicts_without_adapting_and_persists(clean, tmp_path):
     x, _ = clean
-    model = AdaptiveModel.load(RESNET, "eva0", provider="cpu", threads=1)
+    model = Policy.load(RESNET, "eva0", provider="cpu", threads=1)
     model.step(x[:16])
     model.freeze()
     theta = model.state.theta.copy()
@@ -134,7 +135,7 @@ def test_frozen_predicts_without_adapting_and_persists(clean, tmp_path):
     np.testing.assert_array_equal(model.state.theta, theta)
     assert model.stats()["forwards"] - forwards == 16 and model.stats()["frozen"]
     model.save_state(tmp_path / "s.npz")
-    other = AdaptiveModel.load(RESNET, "eva0", provider="cpu")
+    other = Policy.load(RESNET, "eva0", provider="cpu")
     other.load_state(tmp_path / "s.npz")
     assert other.stats()["frozen"]
     other.freeze(False)
@@ -145,10 +146,10 @@ def test_frozen_predicts_without_adapting_and_persists(clean, tmp_path):
 def _trip_on_drift(model: AdaptiveModel, x: np.ndarray) -> None:
     """One step at eta x 1000: theta jumps past the drift bound and the guard trips."""
     eta = model.config.eta
-    model.config = model.config.updated({"eta": eta * 1000})
+    model.model.config = model.config.updated({"eta": eta * 1000})
     trips = model.state.guard_trips
     model.step(x)
-    model.config = model.config.updated({"eta": eta})
+    model.model.config = model.config.updated({"eta": eta})
     assert model.state.guard_trips == trips + 1
 
 
@@ -157,9 +158,9 @@ def test_the_pause_duels_the_checkpoint_against_theta0_and_keeps_a_healthy_one(c
     sample), theta0's logits are served; on clean images the checkpoint is healthy and
     adaptation resumes from it."""
     x, _ = clean
-    model = AdaptiveModel.load(RESNET, "eva0", {"guard_drift_max": 5.0, "activation_shift": 0.0},
+    model = Policy.load(RESNET, "eva0", {"guard_drift_max": 5.0, "activation_shift": 0.0},
                                threads=1)  # theta0's own logits are served (no shift on them)
-    source = AdaptiveModel.load(RESNET, "noadapt", threads=1)
+    source = Policy.load(RESNET, "noadapt", threads=1)
     for i in range(0, 640, 16):
         model.step(x[i : i + 16])
     _trip_on_drift(model, x[640:656])
@@ -177,7 +178,7 @@ def test_the_pause_duels_the_checkpoint_against_theta0_and_keeps_a_healthy_one(c
 
 def test_a_broken_checkpoint_loses_the_duel_to_theta0(clean):
     x, _ = clean
-    model = AdaptiveModel.load(RESNET, "eva0", {"guard_drift_max": 5.0}, threads=1)
+    model = Policy.load(RESNET, "eva0", {"guard_drift_max": 5.0}, threads=1)
     for i in range(0, 320, 16):
         model.step(x[i : i + 16])
     theta0 = read_metadata(RESNET).theta0
@@ -195,7 +196,7 @@ def test_a_stream_that_breaks_the_source_too_holds_at_theta0_until_it_ends(clean
     theta0's own spread is out of bounds, so it serves theta0 without adapting (one forward
     per sample) for as long as they last, then adapts again."""
     x, _ = clean
-    model = AdaptiveModel.load(RESNET, "eva0", threads=1)
+    model = Policy.load(RESNET, "eva0", threads=1)
     black = np.repeat(x[:1] * 0 + x.min(), 16, axis=0)
     for _ in range(64):
         model.step(black)
@@ -218,8 +219,8 @@ def test_a_stream_that_breaks_the_source_too_keeps_what_was_learnt_before_it(cle
     when clean images return."""
     x, _ = clean
     unshifted = {"activation_shift": 0.0}  # served logits are exactly theta0's during holds
-    model = AdaptiveModel.load(RESNET, "eva0", unshifted, threads=1)
-    source = AdaptiveModel.load(RESNET, "noadapt", threads=1)
+    model = Policy.load(RESNET, "eva0", unshifted, threads=1)
+    source = Policy.load(RESNET, "noadapt", threads=1)
     for i in range(0, 1024, 16):
         model.step(x[i : i + 16])
     assert model.state.guard_trips == 0
@@ -245,12 +246,12 @@ def test_a_stream_that_breaks_the_source_too_keeps_what_was_learnt_before_it(cle
 def test_an_audit_serves_the_current_theta_and_keeps_it_on_the_stream_it_learnt(clean):
     x, _ = clean
     unshifted = {"activation_shift": 0.0}  # the served logits are the duelled theta's own
-    model = AdaptiveModel.load(RESNET, "eva0", {"guard_audit": 512, **unshifted}, threads=1)
+    model = Policy.load(RESNET, "eva0", {"guard_audit": 512, **unshifted}, threads=1)
     for i in range(0, 512, 16):
         model.step(x[i : i + 16])
     assert model.stats()["guard"]["audits"] == 1 and model.stats()["paused_samples_left"] > 0
     theta = model.state.theta.copy()
-    current = AdaptiveModel.load(RESNET, "eva0", unshifted, threads=1)
+    current = Policy.load(RESNET, "eva0", unshifted, threads=1)
     current.state.theta = theta.copy()
     forwards = model.stats()["forwards"]
     for i in range(512, 512 + model.config.guard_warmup, 16):
@@ -279,7 +280,7 @@ def test_the_activation_shift_forgets_a_stream_the_guard_held_on(clean):
     """Unbounded shift (no shift_max): its window learns the black frames while the guard
     holds, and restarts when the hold ends, so the clean images after are not moved by them."""
     x, _ = clean
-    model = AdaptiveModel.load(RESNET, "eva0", {"activation_shift": 1.0, "shift_max": None},
+    model = Policy.load(RESNET, "eva0", {"activation_shift": 1.0, "shift_max": None},
                                threads=1)
     black = np.repeat(x[:1] * 0 + x.min(), 16, axis=0)
     for _ in range(64):
@@ -308,7 +309,7 @@ def test_a_return_to_clean_images_after_noise_frames_is_judged_on_the_clean_imag
     pre = read_metadata(vit).preprocessing
     clean_hits = {}
     for name in ("noadapt", "eva0"):
-        model = AdaptiveModel.load(vit, name, threads=1)
+        model = Policy.load(vit, name, threads=1)
         for domain in domains:
             hits = [int((model.step(x).argmax(1) == y).sum()) for x, y in domain.batches(16, pre)]
         clean_hits[name] = sum(hits)
@@ -324,8 +325,8 @@ def test_an_audit_on_black_frames_keeps_the_checkpoint_learnt_before_them():
     images return (not the theta the audit duelled, which adapted on black frames)."""
     vit = SHIPPED[0]
     x, y = _clean_images(vit)
-    model = AdaptiveModel.load(vit, "eva0", threads=1)
-    source = AdaptiveModel.load(vit, "noadapt", threads=1)
+    model = Policy.load(vit, "eva0", threads=1)
+    source = Policy.load(vit, "noadapt", threads=1)
     for i in range(0, 1024, 16):
         model.step(x[i : i + 16])
     checkpoint = model.state.healthy_theta.copy()
@@ -384,8 +385,8 @@ def test_a_return_to_clean_after_noise_is_audited_at_once_serving_theta0():
     images, labels = corrupted_fmnist("test", "clean", 1, 0, indices=np.arange(384, 1152))
     x = preprocess_uint8(images, pre)
     unshifted = {"activation_shift": 0.0}
-    model = AdaptiveModel.load(vit, "eva0", unshifted, threads=1)
-    source = AdaptiveModel.load(vit, "noadapt", unshifted, threads=1)
+    model = Policy.load(vit, "eva0", unshifted, threads=1)
+    source = Policy.load(vit, "noadapt", unshifted, threads=1)
     for i in range(0, len(noisy), 16):
         model.step(noisy[i:i + 16])
     assert model.stats()["guard"]["audits"] == 0 and model.state.guard_trips == 0
@@ -401,5 +402,5 @@ def test_a_return_to_clean_after_noise_is_audited_at_once_serving_theta0():
         reference += int((plain.argmax(1) == truth).sum())
     guard = model.stats()["guard"]
     assert guard["audits"] == 1 and guard["pause_verdicts"]["theta0"] == 1
-    assert model.control.inputs.changes == 1 and audited >= model.config.guard_warmup - 16
+    assert model.inputs.changes == 1 and audited >= model.config.guard_warmup - 16
     assert hits >= reference - len(x) // 100

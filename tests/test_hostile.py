@@ -18,6 +18,7 @@ import pytest
 from PIL import Image
 
 from eva0_edge.runtime.engine import AdaptiveModel
+from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.server.context import ServeOptions
 from eva0_edge.runtime.server.protocol import HEADER_LENGTH, MAX_JSON_BYTES, MAX_JSON_VALUES
 from eva0_edge.runtime.state import encode_state
@@ -142,7 +143,7 @@ def _huge_header_archive() -> bytes:
 
 
 def test_hostile_states_are_refused_by_name_and_the_state_kept(server):
-    model = AdaptiveModel.load(MODEL, "eva0", provider="cpu", threads=1)
+    model = Policy.load(MODEL, "eva0", provider="cpu", threads=1)
     assert http_call(server, "POST", INFER, _json([_pixels(4)]))[0] == 200  # one step
     current = _state(server)
     p = model.metadata.num_params

@@ -8,10 +8,10 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.foa import FOAModel
 from eva0_edge.runtime.methods import load_method
 from eva0_edge.runtime.modelfile import read_metadata
+from eva0_edge.runtime.policy import Policy
 
 SHIPPED_VIT = Path(__file__).resolve().parents[1] / "models" / "vit_fmnist.onnx"
 
@@ -84,7 +84,7 @@ def test_prompt_mode_refuses_models_without_a_class_token(tmp_path):
 
 @pytest.mark.parametrize("fp", [2, 8])
 def test_eva0_clubs_honours_the_forward_budget(prompt_vit, fp):
-    model = AdaptiveModel.load(prompt_vit.onnx_path, f"eva0-clubs@{fp}", seed=0,
+    model = Policy.load(prompt_vit.onnx_path, f"eva0-clubs@{fp}", seed=0,
                                provider="cpu")
     assert model.config.lambda_swa == 0.0 and model.config.forwards == fp
     x = batch(5)
@@ -101,8 +101,8 @@ def test_more_pairs_average_the_estimate(prompt_vit):
     x = batch(4)
 
     def spread(fp: int) -> float:
-        model = AdaptiveModel.load(prompt_vit.onnx_path, f"eva0-clubs@{fp}", provider="cpu")
-        grads = np.stack([model.estimate(x, step_index=i).grad for i in range(12)])
+        model = Policy.load(prompt_vit.onnx_path, f"eva0-clubs@{fp}", provider="cpu")
+        grads = np.stack([model.model.estimate(x, step_index=i).grad for i in range(12)])
         return float(np.linalg.norm(grads - grads.mean(0), axis=1).mean())
 
     assert spread(8) < 0.8 * spread(2)
@@ -110,21 +110,21 @@ def test_more_pairs_average_the_estimate(prompt_vit):
 
 def test_bad_forward_budgets_and_models_are_refused(prompt_vit, small_vit):
     with pytest.raises(ValueError, match="even number"):
-        AdaptiveModel.load(prompt_vit.onnx_path, "eva0-clubs@3", provider="cpu")
+        Policy.load(prompt_vit.onnx_path, "eva0-clubs@3", provider="cpu")
     with pytest.raises(ValueError, match="even number"):
-        AdaptiveModel.load(small_vit.onnx_path, "zoa@4", provider="cpu")
+        Policy.load(small_vit.onnx_path, "zoa@4", provider="cpu")
     with pytest.raises(ValueError, match="part after @"):
-        AdaptiveModel.load(prompt_vit.onnx_path, "eva0-clubs@x", provider="cpu")
+        Policy.load(prompt_vit.onnx_path, "eva0-clubs@x", provider="cpu")
     with pytest.raises(ValueError, match="--prompts"):
-        AdaptiveModel.load(small_vit.onnx_path, "eva0-clubs", provider="cpu")
+        Policy.load(small_vit.onnx_path, "eva0-clubs", provider="cpu")
     with pytest.raises(ValueError, match="--prompts"):
-        FOAModel.load(small_vit.onnx_path, "foa", provider="cpu")
+        Policy.load(small_vit.onnx_path, "foa", provider="cpu")
 
 
 @pytest.mark.parametrize(("method", "fp"), [("foa", 28), ("foa-dagger@6", 6), ("foa@2", 2)])
 def test_foa_honours_the_forward_budget(prompt_vit, method, fp):
     model = load_method(prompt_vit.onnx_path, method, provider="cpu")
-    assert isinstance(model, FOAModel)
+    assert isinstance(model.model, FOAModel)
     for _ in range(2):
         logits = model.step(batch(3))
     assert logits.shape == (3, 10)
@@ -154,11 +154,12 @@ def test_every_population_keeps_searching(wide_prompt_vit, forwards):
     from eva0_edge.bench.fashion_mnist import load_fashion_mnist
     from eva0_edge.runtime.preprocess import preprocess_uint8
 
-    model = FOAModel.load(wide_prompt_vit, f"foa@{forwards}", provider="cpu")
+    model = Policy.load(wide_prompt_vit, f"foa@{forwards}", provider="cpu")
     x = preprocess_uint8(load_fashion_mnist("test")[0][64:576], model.metadata.preprocessing)
     for start in range(0, len(x), 64):
         model.step(x[start : start + 64])
-    assert np.isfinite(model.best_fitness) and model.stats()["forwards_per_sample"] == forwards
+    assert np.isfinite(model.model.best_fitness)
+    assert model.stats()["forwards_per_sample"] == forwards
 
 
 @pytest.mark.integration  # Fashion-MNIST
@@ -168,19 +169,19 @@ def test_cma_es_improves_the_fitness_on_a_fixed_batch():
     from eva0_edge.bench.fashion_mnist import load_fashion_mnist
     from eva0_edge.bench.prompt_variant import prompt_variant
 
-    model = FOAModel.load(prompt_variant(SHIPPED_VIT), "foa-dagger@10", seed=0, provider="cpu")
+    model = Policy.load(prompt_variant(SHIPPED_VIT), "foa-dagger@10", seed=0, provider="cpu")
     pre = model.metadata.preprocessing
     images = load_fashion_mnist("test")[0][:32].astype(np.float32) / 255.0
     noisy = np.clip(images + np.random.default_rng(0).normal(0, 0.3, images.shape), 0, 1)
     x = ((noisy - np.array(pre.mean)) / np.array(pre.std)).transpose(0, 3, 1, 2)
     x = x.astype(np.float32)
     logits, features = model.session.run(x, np.tile(model.metadata.theta0, (32, 1)))
-    initial = float(model.fitness(logits[None].astype(np.float64),
+    initial = float(model.model.fitness(logits[None].astype(np.float64),
                                   features[None].astype(np.float64))[0])
     best = []
     for _ in range(15):
         model.step(x)
-        best.append(model.best_fitness)
+        best.append(model.model.best_fitness)
     assert all(b <= a + 1e-6 for a, b in zip(best, best[1:], strict=False))  # elitist
     assert best[-1] < 0.8 * initial
 
@@ -193,26 +194,26 @@ def test_foa_reads_its_tuned_values_from_the_model_file(prompt_vit, tmp_path):
     metadata.tuned = {**metadata.tuned, "foa": {"lambda_fit": 1.6}}
     tuned = tmp_path / "tuned.onnx"
     save_onnx(set_metadata(model, metadata), tuned)
-    assert FOAModel.load(tuned, "foa", provider="cpu").config.lambda_fit == 1.6
-    assert FOAModel.load(tuned, "foa", {"lambda_fit": 0.2}, provider="cpu").config.lambda_fit == 0.2
-    assert FOAModel.load(tuned, "foa-dagger", provider="cpu").config.lambda_fit == 0.0
+    assert Policy.load(tuned, "foa", provider="cpu").config.lambda_fit == 1.6
+    assert Policy.load(tuned, "foa", {"lambda_fit": 0.2}, provider="cpu").config.lambda_fit == 0.2
+    assert Policy.load(tuned, "foa-dagger", provider="cpu").config.lambda_fit == 0.0
 
 
 def test_foa_shifts_activations_toward_the_source_mean(prompt_vit):
-    model = FOAModel.load(prompt_vit.onnx_path, "foa", provider="cpu")
+    model = Policy.load(prompt_vit.onnx_path, "foa", provider="cpu")
     x = batch(8)
     model.step(x)
-    shift = model.head_shift()
-    head = model.head_features
-    expected = model.metadata.arrays["source_mean"][head] - model.test_mean
+    shift = model.model.head_shift()
+    head = model.model.head_features
+    expected = model.metadata.arrays["source_mean"][head] - model.model.test_mean
     np.testing.assert_allclose(shift, expected, rtol=1e-5, atol=1e-6)
     logits = model.step(x)  # the returned logits are the best candidate's shifted ones
-    prompt = np.broadcast_to(model.best_prompt, (8, model.best_prompt.size))
+    prompt = np.broadcast_to(model.model.best_prompt, (8, model.model.best_prompt.size))
     _, _, shifted = model.session.run_shifted(x, prompt, shift)
     np.testing.assert_allclose(logits, shifted, atol=1e-4)
-    dagger = FOAModel.load(prompt_vit.onnx_path, "foa-dagger", provider="cpu")
+    dagger = Policy.load(prompt_vit.onnx_path, "foa-dagger", provider="cpu")
     dagger.step(x)
-    assert not dagger.head_shift().any()
+    assert not dagger.model.head_shift().any()
 
 
 def test_foa_needs_source_statistics_and_foa_dagger_does_not(tmp_path):
@@ -220,22 +221,22 @@ def test_foa_needs_source_statistics_and_foa_dagger_does_not(tmp_path):
 
     bare = export_small(tmp_path, *SMALL_VIT, prompts=1)
     with pytest.raises(ValueError, match="calibrate"):
-        FOAModel.load(bare.onnx_path, "foa", provider="cpu")
-    FOAModel.load(bare.onnx_path, "foa-dagger", provider="cpu").step(batch(2))
+        Policy.load(bare.onnx_path, "foa", provider="cpu")
+    Policy.load(bare.onnx_path, "foa-dagger", provider="cpu").step(batch(2))
 
 
 def test_foa_reset_restores_the_initial_prompt(prompt_vit):
-    model = FOAModel.load(prompt_vit.onnx_path, "foa", provider="cpu")
+    model = Policy.load(prompt_vit.onnx_path, "foa", provider="cpu")
     x = batch(4)
     first = model.step(x)
     model.step(x)
     model.reset()
-    np.testing.assert_array_equal(model.best_prompt, model.metadata.theta0)
+    np.testing.assert_array_equal(model.model.best_prompt, model.metadata.theta0)
     np.testing.assert_allclose(model.step(x), first, atol=1e-6)  # same seed, same draws
 
 
 def test_foa_warns_once_on_batches_too_small_for_its_statistics(prompt_vit, caplog):
-    model = FOAModel.load(prompt_vit.onnx_path, "foa@5", provider="cpu")
+    model = Policy.load(prompt_vit.onnx_path, "foa@5", provider="cpu")
     with caplog.at_level("WARNING", logger="eva0_edge.runtime.foa"):
         model.step(batch(8))
         assert not caplog.records
@@ -272,12 +273,12 @@ def test_foa_under_a_budget_adapts_on_its_share_of_batches(prompt_vit):
     """foa@5 at budget 2 in the controller's settled schedule: a search (5 forwards) on a
     quarter of the batches, one forward on the rest, 2 forwards per sample on the counter;
     the served batches move the shifting's EMA, not the search."""
-    model = FOAModel.load(prompt_vit.onnx_path, "foa@5", {"budget": 2.0}, provider="cpu")
+    model = Policy.load(prompt_vit.onnx_path, "foa@5", {"budget": 2.0}, provider="cpu")
     model.budget.dense = False  # a stream already learnt: search whenever the bucket is full
     for i in range(40):
         model.step(batch(8, seed=i % 2))
     assert model.session.counter.per_sample == pytest.approx(2.0)
-    assert model.steps == 10
+    assert model.model.steps == 10
     stats = model.stats()["budget"]
     assert (stats["adapted_samples"], stats["served_samples"]) == (80, 240)
 
@@ -287,24 +288,24 @@ def test_foa_at_budget_one_serves_the_initial_prompt_with_its_shifting(prompt_vi
     inputs of every served batch enter the EMA (FOA's activation shift alone)."""
     from eva0_edge.runtime.session import AdaptableSession
 
-    model = FOAModel.load(prompt_vit.onnx_path, "foa", {"budget": 1.0}, provider="cpu")
+    model = Policy.load(prompt_vit.onnx_path, "foa", {"budget": 1.0}, provider="cpu")
     reference = AdaptableSession(prompt_vit.onnx_path, None, "cpu")
     theta0, a = model.metadata.theta0, model.config.shift_alpha
     prompts = np.broadcast_to(theta0, (8, theta0.size))
     ema = None
     for i in range(3):
         x = batch(8, seed=i)
-        shift = model.head_shift()
+        shift = model.model.head_shift()
         logits = model.step(x)
         _, features, shifted = reference.run_shifted(x, prompts, shift)
         np.testing.assert_allclose(logits, shifted, atol=1e-4)
-        head = features[:, model.head_features].astype(np.float64).mean(axis=0)
+        head = features[:, model.model.head_features].astype(np.float64).mean(axis=0)
         ema = head if ema is None else (1 - a) * ema + a * head
-        np.testing.assert_allclose(model.test_mean, ema, rtol=1e-5, atol=1e-7)
-    assert model.steps == 0 and model.session.counter.per_sample == 1.0
-    np.testing.assert_array_equal(model.best_prompt, theta0)
+        np.testing.assert_allclose(model.model.test_mean, ema, rtol=1e-5, atol=1e-7)
+    assert model.model.steps == 0 and model.session.counter.per_sample == 1.0
+    np.testing.assert_array_equal(model.model.best_prompt, theta0)
 
 
 def test_foa_budget_out_of_range_is_refused(prompt_vit):
     with pytest.raises(ValueError, match="budget must be between 1 and the method's 28"):
-        FOAModel.load(prompt_vit.onnx_path, "foa", {"budget": 29.0}, provider="cpu")
+        Policy.load(prompt_vit.onnx_path, "foa", {"budget": 29.0}, provider="cpu")

@@ -23,8 +23,8 @@ from eva0_edge.quant.quantizers import (
     twin_softmax,
     uniform,
 )
-from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.modelfile import read_metadata
+from eva0_edge.runtime.policy import Policy
 from tests.conftest import uniform_batch
 
 
@@ -161,8 +161,8 @@ def test_quantized_model_is_adaptable_and_close(calibrated_vit, calibration, tmp
     metadata = quantize_model(calibrated_vit, out, 8, calibration, scheme, fake_quant=fake)
     assert metadata.quantization["scheme"] == scheme and metadata.quantization["bits"] == 8
     x = uniform_batch(16, seed=9)
-    fp32 = AdaptiveModel.load(calibrated_vit, "noadapt", provider="cpu").predict(x)
-    quant = AdaptiveModel.load(out, "eva0", seed=0, provider="cpu")
+    fp32 = Policy.load(calibrated_vit, "noadapt", provider="cpu").predict(x)
+    quant = Policy.load(out, "eva0", seed=0, provider="cpu")
     logits = quant.predict(x)
     cosine = (fp32 * logits).sum(1) / np.linalg.norm(fp32, axis=1) / np.linalg.norm(logits, axis=1)
     assert cosine.min() >= 0.99
@@ -178,12 +178,12 @@ def test_quantized_model_is_adaptable_and_close(calibrated_vit, calibration, tmp
 
 def test_six_bits_stay_within_reach(calibrated_vit, calibration, tmp_path):
     x = uniform_batch(16, seed=9)
-    fp32 = AdaptiveModel.load(calibrated_vit, "noadapt", provider="cpu").predict(x)
+    fp32 = Policy.load(calibrated_vit, "noadapt", provider="cpu").predict(x)
     cosines = {}
     for bits in (8, 6):
         out = tmp_path / f"w{bits}.onnx"
         quantize_model(calibrated_vit, out, bits, calibration, "ptq4vit")
-        q = AdaptiveModel.load(out, "noadapt", provider="cpu").predict(x)
+        q = Policy.load(out, "noadapt", provider="cpu").predict(x)
         cosines[bits] = float(((fp32 * q).sum(1) / np.linalg.norm(fp32, axis=1)
                                / np.linalg.norm(q, axis=1)).mean())
     assert cosines[8] > cosines[6] > 0.9
@@ -197,7 +197,7 @@ def test_the_int8_schemes_six_bits_are_six_bit_grids(calibrated_vit, calibration
     from onnx import numpy_helper
 
     x = uniform_batch(16, seed=9)
-    fp32 = AdaptiveModel.load(calibrated_vit, "noadapt", provider="cpu").predict(x)
+    fp32 = Policy.load(calibrated_vit, "noadapt", provider="cpu").predict(x)
     spans, cosines = {}, {}
     for bits in (8, 6):
         out = tmp_path / f"int{bits}.onnx"
@@ -212,7 +212,7 @@ def test_the_int8_schemes_six_bits_are_six_bit_grids(calibrated_vit, calibration
             assert len(clips) == len(quantizers) > 0
         else:
             assert not clips
-        q = AdaptiveModel.load(out, "noadapt", provider="cpu").predict(x)
+        q = Policy.load(out, "noadapt", provider="cpu").predict(x)
         cosines[bits] = float(((fp32 * q).sum(1) / np.linalg.norm(fp32, axis=1)
                                / np.linalg.norm(q, axis=1)).mean())
     assert spans[6][0] >= -32 and spans[6][1] <= 31
@@ -312,11 +312,11 @@ def test_integer_logits_match_the_fake_quant_file(fmnist_vit_images, tmp_path, b
 
     model, x = fmnist_vit_images
     calibration = calibration_images(str(model))
-    logits = {"fp32": AdaptiveModel.load(model, "noadapt", provider="cpu").predict(x)}
+    logits = {"fp32": Policy.load(model, "noadapt", provider="cpu").predict(x)}
     for fake in (True, False):
         path = tmp_path / f"{fake}.onnx"
         quantize_model(model, path, bits, calibration, fake_quant=fake)
-        logits[fake] = AdaptiveModel.load(path, "noadapt", provider="cpu").predict(x)
+        logits[fake] = Policy.load(path, "noadapt", provider="cpu").predict(x)
     integer_gap = np.abs(logits[False] - logits[True]).mean()
     simulation_gap = np.abs(logits[True] - logits["fp32"]).mean()
     assert integer_gap <= 1.5 * simulation_gap

@@ -16,6 +16,7 @@ from PIL import Image
 from eva0_edge.bench.fashion_mnist import load_fashion_mnist
 from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.modelfile import read_metadata
+from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.preprocess import preprocess_uint8
 from eva0_edge.runtime.server.app import ServeOptions, create_app
 from eva0_edge.runtime.server.protocol import (
@@ -53,7 +54,7 @@ def server(tmp_path_factory):
 
 
 def offline(method: str = "eva0") -> AdaptiveModel:
-    return AdaptiveModel.load(MODEL, method, seed=0, provider="cpu", threads=1)
+    return Policy.load(MODEL, method, seed=0, provider="cpu", threads=1)
 
 
 def tensor_input(x: np.ndarray) -> httpclient.InferInput:
@@ -367,7 +368,7 @@ def test_state_snapshot_get_put_and_reset(server, pixels):
     assert statistics(server)["steps"] == 2
     status, body = http_call(server, "PUT", f"/v2/models/{NAME}/adaptation/state", snapshot)
     assert status == 200 and json.loads(body)["steps"] == 1
-    fingerprint = AdaptiveModel.load(MODEL, "noadapt", provider="cpu").fingerprint
+    fingerprint = Policy.load(MODEL, "noadapt", provider="cpu").fingerprint
     nan_state = state.copy()
     nan_state.theta[:] = np.nan
     text_step = state.copy()
@@ -387,7 +388,7 @@ def test_admin_endpoints_need_the_token_or_loopback(tmp_path, pixels):
     on loopback); with a token: 401 without or with a wrong one, 200 with the right one;
     inference stays open throughout."""
     reset_path = f"/v2/models/{NAME}/adaptation/reset"
-    model = AdaptiveModel.load(MODEL, "eva0", seed=0, provider="cpu", threads=1)
+    model = Policy.load(MODEL, "eva0", seed=0, provider="cpu", threads=1)
     open_bind = InProcessServer(create_app(model, ServeOptions(NAME, loopback=False)))
     try:
         assert http_call(open_bind, "POST", reset_path)[0] == 403

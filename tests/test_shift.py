@@ -8,9 +8,9 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.head import LinearHead
 from eva0_edge.runtime.modelfile import load_onnx, read_metadata
+from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.shift import ActivationShift
 from eva0_edge.runtime.state import AdaptState, decode_state, encode_state
 from tests.conftest import uniform_batch
@@ -49,7 +49,7 @@ def shipped(request):
 
 
 def test_head_read_from_the_graph_is_the_classifier(shipped) -> None:
-    model = AdaptiveModel.load(shipped, "eva0", {"activation_shift": 1.0}, provider="cpu")
+    model = Policy.load(shipped, "eva0", {"activation_shift": 1.0}, provider="cpu")
     head = model.shift.head
     weight, bias, _ = HEAD_NAMES[shipped.stem]
     inits = _initializers(shipped)
@@ -64,7 +64,7 @@ def test_head_read_from_the_graph_is_the_classifier(shipped) -> None:
 
 
 def test_shifted_logits_are_the_head_on_shifted_features(shipped) -> None:
-    model = AdaptiveModel.load(shipped, "eva0", {"activation_shift": 0.7}, provider="cpu")
+    model = Policy.load(shipped, "eva0", {"activation_shift": 0.7}, provider="cpu")
     head = model.shift.head
     rng = np.random.default_rng(1)
     test_mean = model.shift.source_mean + rng.normal(0, 0.3, head.width)
@@ -86,8 +86,8 @@ def test_shifted_logits_are_the_head_on_shifted_features(shipped) -> None:
 
 
 def test_zero_shift_leaves_logits_unchanged(shipped) -> None:
-    shifted = AdaptiveModel.load(shipped, "eva0", {"activation_shift": 1.0}, provider="cpu")
-    plain = AdaptiveModel.load(shipped, "eva0", provider="cpu")
+    shifted = Policy.load(shipped, "eva0", {"activation_shift": 1.0}, provider="cpu")
+    plain = Policy.load(shipped, "eva0", provider="cpu")
     x = uniform_batch(16, seed=5)
     np.testing.assert_array_equal(shifted.step(x), plain.step(x))  # nothing seen yet: no shift
     shifted.state.shift_mean = shifted.shift.source_mean.copy()  # test mean = source mean
@@ -162,8 +162,8 @@ def test_a_change_of_stream_restarts_the_window_from_the_recent_samples() -> Non
 
 def test_noadapt_shift_learns_the_stream_at_one_forward() -> None:
     resnet = SHIPPED[1]
-    shifted = AdaptiveModel.load(resnet, "noadapt-shift", provider="cpu")
-    plain = AdaptiveModel.load(resnet, "noadapt", provider="cpu")
+    shifted = Policy.load(resnet, "noadapt-shift", provider="cpu")
+    plain = Policy.load(resnet, "noadapt", provider="cpu")
     x = uniform_batch(64, seed=6)
     for i in range(0, 64, 16):  # served once 32 samples are in the window
         out, ref = shifted.step(x[i : i + 16]), plain.step(x[i : i + 16])
@@ -177,10 +177,10 @@ def test_noadapt_shift_learns_the_stream_at_one_forward() -> None:
 
 
 def test_state_keeps_the_shift_and_older_states_load(shipped) -> None:
-    model = AdaptiveModel.load(shipped, "eva0", {"activation_shift": 1.0}, provider="cpu")
+    model = Policy.load(shipped, "eva0", {"activation_shift": 1.0}, provider="cpu")
     x = uniform_batch(32, seed=7)
     model.step(x[:16])
-    again = AdaptiveModel.load(shipped, "eva0", {"activation_shift": 1.0}, provider="cpu")
+    again = Policy.load(shipped, "eva0", {"activation_shift": 1.0}, provider="cpu")
     again.load_state_bytes(model.state_bytes())
     np.testing.assert_array_equal(again.state.shift_mean, model.state.shift_mean)
     np.testing.assert_array_equal(again.step(x[16:]), model.step(x[16:]))
@@ -432,9 +432,9 @@ def test_the_configured_bound_reaches_the_shift_and_a_cold_cache_reads_the_head(
         tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("EVA0_CACHE", str(tmp_path))
     resnet = SHIPPED[1]
-    cold = AdaptiveModel.load(resnet, "eva0", {"activation_shift": 1.0, "shift_max": 0.75},
+    cold = Policy.load(resnet, "eva0", {"activation_shift": 1.0, "shift_max": 0.75},
                               provider="cpu")
-    warm = AdaptiveModel.load(resnet, "eva0", {"activation_shift": 1.0}, provider="cpu")
+    warm = Policy.load(resnet, "eva0", {"activation_shift": 1.0}, provider="cpu")
     assert cold.shift.max_distance == 0.75
     np.testing.assert_array_equal(cold.shift.head.weight, warm.shift.head.weight)
     assert any((tmp_path / "head").iterdir())

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 
 from eva0_edge.runtime.engine import AdaptiveModel
+from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.state import StateError, encode_state
 from tests.conftest import uniform_batch
 
 
 @pytest.fixture()
 def adapted(calibrated_vit) -> AdaptiveModel:
-    model = AdaptiveModel.load(calibrated_vit, "eva0", provider="cpu")
+    model = Policy.load(calibrated_vit, "eva0", provider="cpu")
     model.step(uniform_batch(4))
     return model
 
@@ -77,7 +78,7 @@ def test_oversized_members_are_refused_from_the_headers(adapted):
 
 
 def test_a_valid_state_round_trips(adapted, calibrated_vit):
-    fresh = AdaptiveModel.load(calibrated_vit, "eva0", provider="cpu")
+    fresh = Policy.load(calibrated_vit, "eva0", provider="cpu")
     fresh.install_state(fresh.parse_state_bytes(adapted.state_bytes()))
     np.testing.assert_array_equal(fresh.state.theta, adapted.state.theta)
 
@@ -88,7 +89,7 @@ SHIPPED_VIT = Path(__file__).resolve().parents[1] / "models" / "vit_fmnist.onnx"
 @pytest.fixture(scope="module")
 def shifted() -> AdaptiveModel:
     """The shipped ViT with EVA-0 (its activation shift on), a few steps into a stream."""
-    model = AdaptiveModel.load(SHIPPED_VIT, "eva0", provider="cpu", threads=1)
+    model = Policy.load(SHIPPED_VIT, "eva0", provider="cpu", threads=1)
     for seed in range(4):
         model.step(uniform_batch(16, seed) * 0.5)
     return model
@@ -131,7 +132,7 @@ def test_the_limits_hold_what_adaptation_reaches(shifted):
     """The other side: states of every method after a stream of shifted, noisy batches pass."""
     rng = np.random.default_rng(0)
     for method in ("eva0", "zoa", "spsa2-shared", "noadapt-shift"):
-        model = AdaptiveModel.load(SHIPPED_VIT, method, provider="cpu", threads=1)
+        model = Policy.load(SHIPPED_VIT, method, provider="cpu", threads=1)
         for step in range(12):
             batch = uniform_batch(8, step) * 0.3 + rng.normal(0.4, 0.3, (8, 3, 32, 32))
             model.step(np.clip(batch, -1, 1).astype(np.float32))

@@ -12,8 +12,8 @@ from eva0_edge.bench.corruptions import CORRUPTIONS, corrupt_images
 from eva0_edge.bench.datasets import Domain, folder_domains
 from eva0_edge.bench.fashion_mnist import load_fashion_mnist, train_val_indices
 from eva0_edge.bench.protocols import run_protocol, stream_order
-from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.modelfile import read_metadata
+from eva0_edge.runtime.policy import Policy
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 SHIPPED = [MODELS / "vit_fmnist.onnx", MODELS / "resnet_gn_fmnist.onnx"]
@@ -77,7 +77,7 @@ def test_shipped_models_reach_90_percent_on_the_clean_test_split(model_path):
     from eva0_edge.runtime.preprocess import preprocess_uint8
 
     images, labels = load_fashion_mnist("test")
-    model = AdaptiveModel.load(model_path, "noadapt", provider="cpu")
+    model = Policy.load(model_path, "noadapt", provider="cpu")
     correct = sum(
         int((model.predict(preprocess_uint8(images[i : i + 1000], model.metadata.preprocessing))
              .argmax(1) == labels[i : i + 1000]).sum())
@@ -91,7 +91,7 @@ def test_shipped_model_accuracy_drops_with_severity(model_path):
     images, labels = load_fashion_mnist("test")
     rng = np.random.default_rng(0)
     idx = rng.choice(len(images), 150, replace=False)
-    model = AdaptiveModel.load(model_path, "noadapt", provider="cpu")
+    model = Policy.load(model_path, "noadapt", provider="cpu")
     from eva0_edge.runtime.preprocess import preprocess_uint8
 
     clean = (model.predict(preprocess_uint8(images[idx], model.metadata.preprocessing))
@@ -204,7 +204,7 @@ def test_eval_keeps_the_guards_routine_messages_for_verbose(caplog):
 
     def guard_messages() -> list[str]:
         return [r.getMessage() for r in caplog.records
-                if r.name == "eva0_edge.runtime.controller" and "health guard" in r.getMessage()]
+                if r.name == "eva0_edge.runtime.policy" and "health guard" in r.getMessage()]
 
     assert main(args) == 0
     assert guard_messages() == []

@@ -35,8 +35,7 @@ from starlette.concurrency import run_in_threadpool
 
 from eva0_edge import __version__
 
-from ..engine import AdaptiveModel
-from ..methods import RuntimeModel
+from ..policy import Policy
 from .context import ServeOptions, ServerContext, StepSummary, error_response, log
 from .extension import ServerExtension
 from .metrics import ServerMetrics
@@ -50,13 +49,13 @@ __all__ = ["ServeOptions", "create_app"]
 
 
 def create_app(
-    model: RuntimeModel, options: ServeOptions, extension: ServerExtension | None = None
+    model: Policy, options: ServeOptions, extension: ServerExtension | None = None
 ) -> FastAPI:
     """The application around ``model``; the worker starts and stops with the app's lifespan
     (restoring the newest good snapshot from ``options.state_dir`` first), ``extension`` (see
     :mod:`.extension`) right after and before it. FOA's search state is not persisted: with
     FOA, ``state_dir`` is refused (ValueError)."""
-    if options.state_dir and not isinstance(model, AdaptiveModel):
+    if options.state_dir and not model.spec.keeps_state:
         raise ValueError(
             f"--state-dir: {model.method}'s CMA-ES search state is not persisted; serve it "
             "without --state-dir (the EVA-0 family keeps its state)"
@@ -79,7 +78,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if snapshots is not None and isinstance(model, AdaptiveModel):
+        if snapshots is not None and model.spec.keeps_state:
             restored = snapshots.restore_latest(model)
             if restored:
                 log.info("resumed from %s at step %d", restored, model.health().step)

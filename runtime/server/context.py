@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from ..methods import RuntimeModel
+from ..policy import Policy
 from .extension import ServerExtension
 from .metrics import ServerMetrics
 from .protocol import ProtocolError
@@ -88,14 +88,14 @@ class StepSummary:
         self.since = time.monotonic()
         self.steps = self.rows = self.requests = 0
 
-    def add(self, record: StepRecord, model: RuntimeModel) -> None:
+    def add(self, record: StepRecord, model: Policy) -> None:
         self.steps += 1
         self.rows += record.rows
         self.requests += record.requests
         if time.monotonic() - self.since >= self.every_s:
             self.emit(model)
 
-    def emit(self, model: RuntimeModel) -> None:
+    def emit(self, model: Policy) -> None:
         seconds = time.monotonic() - self.since
         stats = model.stats()
         if self.steps:
@@ -199,7 +199,7 @@ def admin_check(request: Request, options: ServeOptions, body: str | None = None
 class ServerContext:
     """The served model and what the routes need around it (the worker owns the state)."""
 
-    model: RuntimeModel
+    model: Policy
     options: ServeOptions
     worker: AdaptationWorker
     metrics: ServerMetrics

@@ -11,8 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from ..engine import AdaptiveModel
-from ..methods import RuntimeModel
+from ..policy import Policy
 from ..state import StateError
 from .context import ServerContext, admin_check, error_response, finite_stats
 from .protocol import ProtocolError
@@ -24,7 +23,7 @@ def adaptation_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter(prefix="/v2/models/{name}/adaptation")
     worker, options = ctx.worker, ctx.options
 
-    def answer(m: RuntimeModel) -> dict:
+    def answer(m: Policy) -> dict:
         """The statistics after an admin change, and whether its snapshot was written."""
         return {**finite_stats(m.stats()), "snapshot_written": worker.snapshot_now()}
 
@@ -46,7 +45,7 @@ def adaptation_router(ctx: ServerContext) -> APIRouter:
         has_body = "content-type" in request.headers  # reset takes none; a form post is refused
         admin_check(request, options, body="application/json" if has_body else None)
 
-        def do_reset(m: RuntimeModel) -> dict:
+        def do_reset(m: Policy) -> dict:
             m.reset()
             if ctx.extension is not None:
                 ctx.extension.state_replaced(m)
@@ -67,15 +66,15 @@ def adaptation_router(ctx: ServerContext) -> APIRouter:
         if not isinstance(frozen, bool):
             raise ProtocolError('freeze needs a JSON body {"frozen": true} or {"frozen": false}')
 
-        def do_freeze(m: RuntimeModel) -> dict:
+        def do_freeze(m: Policy) -> dict:
             m.freeze(frozen)
             return answer(m)
 
         return await ctx.on_worker(do_freeze)
 
-    def stateful_model() -> AdaptiveModel:
+    def stateful_model() -> Policy:
         """The served model when it keeps a state (the EVA-0 family); 409 for FOA."""
-        if not isinstance(ctx.model, AdaptiveModel):
+        if not ctx.model.spec.keeps_state:
             raise ProtocolError(
                 f"{ctx.model.method}'s CMA-ES search state is not persisted: no state to get "
                 "or put", 409,
@@ -101,7 +100,7 @@ def adaptation_router(ctx: ServerContext) -> APIRouter:
         except StateError as err:
             return error_response(f"state refused: {err}", 400)
 
-        def install(m: AdaptiveModel) -> dict:
+        def install(m: Policy) -> dict:
             m.install_state(state)
             if ctx.extension is not None:
                 ctx.extension.state_replaced(m)

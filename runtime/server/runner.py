@@ -6,13 +6,13 @@ import logging
 
 import uvicorn
 
-from ..methods import RuntimeModel
+from ..policy import Policy
 from .app import ServeOptions, create_app
 from .deadline import header_deadline_protocol
 
 
 def run_server(
-    model: RuntimeModel, options: ServeOptions, host: str = "127.0.0.1", port: int = 8000,
+    model: Policy, options: ServeOptions, host: str = "127.0.0.1", port: int = 8000,
     log_level: str = "info",
 ) -> None:
     """Serve ``model`` on ``host:port`` (loopback by default) until interrupted."""

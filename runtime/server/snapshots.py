@@ -13,10 +13,12 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from ..engine import AdaptiveModel
 from ..state import StateError, write_state_file
+
+if TYPE_CHECKING:
+    from ..policy import Policy
 
 log = logging.getLogger("eva0_edge.serve")
 
@@ -43,7 +45,7 @@ class SnapshotStore:
                 found.append((int(match.group(1)), path))
         return sorted(found)
 
-    def save(self, model: AdaptiveModel) -> Path:
+    def save(self, model: Policy) -> Path:
         """Write the model's state as the newest snapshot, then prune the oldest."""
         return self.save_bytes(model.state_bytes())
 
@@ -67,7 +69,7 @@ class SnapshotStore:
                 log.warning("snapshot refused, trying an older one: %s", err)
         return None
 
-    def restore_latest(self, model: AdaptiveModel) -> Path | None:
+    def restore_latest(self, model: Policy) -> Path | None:
         """Load the newest snapshot that verifies into ``model``; None when there is none."""
         loaded = self.load_newest(model.load_state)
         return loaded[0] if loaded else None

@@ -1,4 +1,4 @@
-"""The adaptation worker: one thread owns the :class:`AdaptiveModel` and its state.
+"""The adaptation worker: one thread owns the :class:`~..policy.Policy` and its state.
 
 Inference requests queue up and coalesce into one adaptation step (dynamic batching): the worker
 takes the oldest request, then keeps taking queued requests while the batch stays within
@@ -14,17 +14,17 @@ Control operations (statistics, reset, state get/put) run on the same thread bet
 nothing else ever touches the state.
 
 With ``asynchronous`` (``serve --async-adapt``; EVA-0-family methods) a batch is answered from
-one forward at the current theta (:meth:`~..controller.StepController.serve_step`; batches
-under 8 rows are learnt from in blocks, and the worker has the controller learn what waits
+one forward at the current theta (:meth:`~..policy.Policy.serve_step`; batches
+under 8 rows are learnt from in blocks, and the worker has the policy learn what waits
 before a control operation, a pass, a snapshot or the stop) as soon as it has run, and its
 rows join the recent inputs (the last ``max_batch`` rows; older ones are
 dropped from adaptation). Once ``max_batch`` rows are waiting, the queue is empty and no pass
-is running, the worker begins a pass on them (:meth:`~..controller.StepController.begin_pass`,
+is running, the worker begins a pass on them (:meth:`~..policy.Policy.begin_pass`,
 within the compute budget: the perturbed rows). Its ORT call (the 2 x #rows forwards; the GIL
 released) runs on a second thread that Linux schedules only on CPU nothing else wants
 (SCHED_IDLE; nice 19 where that is refused) while the worker goes on serving; the worker
 computes the estimate and applies the update when the call is done
-(:meth:`~..controller.StepController.finish_pass`, dropped if a roll-back, reset or installed
+(:meth:`~..policy.AdaptationPass.finish`, dropped if a roll-back, reset or installed
 state came in between). So serving never waits for a pass, and a busy CPU starves passes, not
 answers. (On a session whose ORT calls share one IOBinding, the CUDA default, the call runs on
 the worker between requests instead.) A response never depends on a later request and no input
@@ -46,8 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from ..engine import AdaptiveModel, ServedPass
-from ..methods import RuntimeModel
+from ..policy import AdaptationPass, Policy
 from .snapshots import SnapshotStore
 
 log = logging.getLogger("eva0_edge.serve")
@@ -94,7 +93,7 @@ def _lower_priority() -> None:
 class _Pass:
     """The running adaptation pass: what it began on and its ORT call's future."""
 
-    served: ServedPass
+    adaptation: AdaptationPass
     outputs: Future
 
 
@@ -113,7 +112,7 @@ class AdaptationWorker:
 
     def __init__(
         self,
-        model: RuntimeModel,
+        model: Policy,
         max_batch: int,
         max_delay_s: float,
         snapshots: SnapshotStore | None = None,
@@ -124,12 +123,9 @@ class AdaptationWorker:
     ) -> None:
         if max_batch < 1 or max_delay_s < 0 or snapshot_every < 1:
             raise ValueError("need max_batch >= 1, max_delay >= 0 and snapshot_every >= 1")
-        # the model whose controller serves and adapts apart (asynchronous mode), else None
-        self._adaptive: AdaptiveModel | None = None
+        # the policy that serves and adapts apart (asynchronous mode), else None
+        self._adaptive: Policy | None = None
         if asynchronous:
-            if not isinstance(model, AdaptiveModel):
-                raise ValueError(f"asynchronous adaptation runs the EVA-0 family's step apart "
-                                 f"from serving; {model.method} adapts only in its own step")
             model.set_asynchronous()
             self._adaptive = model
         self._runs = ThreadPoolExecutor(1, "eva0-pass", initializer=_lower_priority) \
@@ -195,7 +191,7 @@ class AdaptationWorker:
     def snapshot_now(self) -> bool | None:
         """Write a snapshot (worker thread only; a failure is logged, serving goes on).
         True when written, False when writing failed, None without a state directory."""
-        if self.snapshots is None or not isinstance(self.model, AdaptiveModel):
+        if self.snapshots is None or not self.model.spec.keeps_state:
             return None
         self._learn_waiting()
         self._steps_since_snapshot = 0
@@ -211,7 +207,7 @@ class AdaptationWorker:
         """Samples served, adapted on, dropped from adaptation, in the running pass and waiting
         for the next (asynchronous mode; the synchronous step adapts on what it serves, as
         its budget allows)."""
-        running = 0 if self._pass is None else self._pass.served.x.shape[0]
+        running = 0 if self._pass is None else self._pass.adaptation.rows
         return {**self._counts, "adapting_samples": running,
                 "waiting_samples": self._waiting_rows()}
 
@@ -291,7 +287,7 @@ class AdaptationWorker:
         start = time.perf_counter()
         try:
             if self._adaptive is not None:
-                logits = self._adaptive.control.serve_step(x)
+                logits = self._adaptive.serve_step(x)
             else:
                 logits = self.model.step(x)
         except Exception as err:  # noqa: BLE001 - every waiting request gets the error
@@ -314,12 +310,12 @@ class AdaptationWorker:
                 log.exception("step callback failed")
 
     def _learn_waiting(self) -> None:
-        """Learn from the served batches the controller holds for its next block (asynchronous
+        """Learn from the served batches the policy holds for its next block (asynchronous
         mode), so that what reads or writes the state next sees them; a failure is logged."""
         if self._adaptive is None:
             return
         try:
-            self._adaptive.control.learn()
+            self._adaptive.learn()
         except Exception:  # noqa: BLE001 - the answers went out; serving goes on
             log.exception("learning from the served samples failed")
 
@@ -349,35 +345,35 @@ class AdaptationWorker:
         model = self._adaptive
         assert model is not None  # only asynchronous mode keeps recent rows
         try:
-            served = model.control.begin_pass(x)
+            adaptation = model.begin_pass(x)
         except Exception:  # noqa: BLE001 - the answers went out; serving goes on
             log.exception("adaptation pass failed; its %d samples are dropped", x.shape[0])
-            served = None
-        if served is None:
+            adaptation = None
+        if adaptation is None:
             self._counts["dropped_samples"] += x.shape[0]
             return
         if self._runs is None:  # one IOBinding: the ORT call here, between requests
-            self._apply(served, lambda: model.run_served(served))
+            self._apply(adaptation, adaptation.run)
             return
-        outputs = self._runs.submit(model.run_served, served)
-        self._pass = _Pass(served, outputs)
+        outputs = self._runs.submit(adaptation.run)
+        self._pass = _Pass(adaptation, outputs)
         outputs.add_done_callback(lambda _: self._queue.put(_PASS_DONE))
 
     def _finish_pass(self) -> None:
         """Apply the running pass, waiting for its ORT call if need be."""
         running, self._pass = self._pass, None
         if running is not None:  # None: a late wake-up of a pass finished at stop
-            self._apply(running.served, running.outputs.result)
+            self._apply(running.adaptation, running.outputs.result)
 
     def _apply(
-        self, served: ServedPass, outputs: Callable[[], tuple[np.ndarray, np.ndarray]]
+        self, adaptation: AdaptationPass,
+        outputs: Callable[[], tuple[np.ndarray, np.ndarray]],
     ) -> None:
-        """The pass's estimate and update from ``outputs()`` through the current controller,
-        which drops a pass the state moved away from."""
-        rows = served.x.shape[0]
-        assert self._adaptive is not None
+        """The pass's estimate and update from ``outputs()``; the policy drops a pass the state
+        moved away from."""
+        rows = adaptation.rows
         try:
-            ran = self._adaptive.control.finish_pass(served, outputs())
+            ran = adaptation.finish(outputs())
         except Exception:  # noqa: BLE001 - the answers went out; serving goes on
             log.exception("adaptation pass failed; its %d samples are dropped", rows)
             ran = False

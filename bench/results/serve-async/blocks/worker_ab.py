@@ -23,7 +23,7 @@ def started(method: str, config: dict | None, asynchronous: bool,
     model = load_method(MODEL, method, config, 0, "cpu", 1)
     worker = AdaptationWorker(model, 64, 0.010, asynchronous=asynchronous)
     if every_batch:
-        control = model.control
+        control = model  # the policy
         control.serve_step = lambda x: control._step(x, adapt=False)
     worker.start()
     return worker

@@ -23,7 +23,7 @@ def main() -> None:
     images = stream_images(read_metadata(MODEL), "gaussian_noise", 1)
     model = load_method(MODEL, "eva0", {"budget": 1.5}, 0, "cpu", 1)
     model.set_asynchronous()
-    control = model.control
+    control = model  # the policy: serve_step, inputs, _after_change
     seconds: dict[str, float] = {}
 
     def timed(owner: Any, name: str, label: str) -> None:

@@ -1,7 +1,7 @@
-"""What happens to a batch: the policy around the EVA-0-family engine (NumPy only).
+"""What happens to a batch: the policy that owns an adapting model (NumPy only).
 
-:meth:`StepController.step` decides, per batch x [B, C, H, W], in this order (for the EVA-0
-family and, without a guard, FOA: :class:`~.foa.FOAModel` has the same ``serve`` / ``adapt`` /
+:meth:`Policy.step` decides, per batch x [B, C, H, W], in this order (for the EVA-0 family
+and, without a guard, FOA: :class:`~.foa.FOAModel` has the same ``serve`` / ``adapt`` /
 ``predict``):
 
 1. **a method that does not adapt** (NoAdapt, noadapt-shift): one forward at theta, served
@@ -16,33 +16,45 @@ family and, without a guard, FOA: :class:`~.foa.FOAModel` has the same ``serve``
    then the guard watches the prediction (checkpoint when healthy, roll back and pause when it
    trips).
 
-The asynchronous server splits this in two: :meth:`StepController.serve_step` answers (steps
-1-4, the budget earning the batch's credit; batches under ``LEARN_BLOCK`` rows are learnt
-from in blocks, :meth:`StepController.learn`), and an adaptation pass runs step 5 on batches
-already answered, when the worker is idle and the credit pays for it: :meth:`begin_pass` (the
-checks, the budget, the perturbed rows), the ORT call (which may run on another thread while
-serving goes on), :meth:`finish_pass` (the estimate, the update and the guard, dropped when a
+The asynchronous server splits this in two: :meth:`Policy.serve_step` answers (steps 1-4,
+the budget earning the batch's credit; batches under ``LEARN_BLOCK`` rows are learnt from in
+blocks, :meth:`Policy.learn`), and an adaptation pass runs step 5 on batches already
+answered, when the worker is idle and the credit pays for it: :meth:`Policy.begin_pass` (the
+checks, the budget, the perturbed rows) hands out an :class:`AdaptationPass`, whose ORT call
+(:meth:`AdaptationPass.run`) may run on another thread while serving goes on, and whose
+:meth:`AdaptationPass.finish` does the estimate, the update and the guard (dropped when a
 roll-back, reset, installed state, pause or freeze came in between).
 
 After steps 4 and 5, a change of stream (the input change detector, the activation shift's
 change detector) makes the budget spend densely and starts the guard's audit at a change; the
 guard's periodic audit starts when due. A duel runs only when the budget's credit pays for it;
-one it cannot pay for is not run and theta0 serves (:meth:`StepController._lose_duel`).
+one it cannot pay for is not run and theta0 serves (:meth:`Policy._lose_duel`).
 
-The engine (:class:`~.engine.AdaptiveModel`) holds the state and does estimate -> update;
-this module owns the guard, the budget and the input change detector.
+The policy owns the model; the engine (:class:`~.engine.AdaptiveModel`) holds the state and
+does estimate -> update and knows nothing of the policy. This module owns the guard, the
+budget, the input change detector and the state's bytes and files. Every path a batch can
+take: ``docs/design/batch.md``.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+import os
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from .budget import ComputeBudget
 from .guard import GuardBounds, HealthGuard
 from .inputwatch import InputChangeDetector
+from .metadata import ModelMetadata
+from .monitoring import Health, StepStats
+from .registry import RUNTIME_KINDS, MethodSpec, spec_of
+from .session import AdaptableSession
+from .shift import ActivationShift
+from .state import AdaptState, decode_state, encode_state, read_state_file, write_state_file
 
 if TYPE_CHECKING:
     from .engine import AdaptiveModel, ServedPass
@@ -54,14 +66,71 @@ log = logging.getLogger(__name__)
 LEARN_BLOCK = 8
 
 
-class StepController:
-    """The guard, the budget and the input change detector of one :class:`AdaptiveModel` (or
-    :class:`~.foa.FOAModel`: no guard), and the order in which they act on a batch (see the
-    module's docstring). ``guard`` and ``budget`` are None when off. A new controller starts
-    their windows afresh (reset, a state installed)."""
+class AdaptationPass:
+    """One asynchronous adaptation pass on a batch already answered, handed out by
+    :meth:`Policy.begin_pass` on the thread that owns the state: :meth:`run` (its ORT call over
+    #FP x B rows) may run on any thread while serving goes on, :meth:`finish` (the estimate,
+    the update and the guard) runs on the owning thread again."""
+
+    def __init__(self, policy: Policy, model: AdaptiveModel, served: ServedPass) -> None:
+        self._policy = policy
+        self._model = model
+        self.served = served
+
+    @property
+    def rows(self) -> int:
+        """The samples the pass adapts on."""
+        return int(self.served.x.shape[0])
+
+    def run(self) -> tuple[np.ndarray, np.ndarray]:
+        """The pass's ORT call: (logits, features) over its perturbed rows. It touches no
+        Python state but the forward counter (locked)."""
+        return self._model.run_served(self.served)
+
+    def finish(self, outputs: tuple[np.ndarray, np.ndarray]) -> bool:
+        """The estimate from :meth:`run`'s ``outputs`` and the update, then the guard watches
+        the step's prediction. A pass the state moved away from since it began (a roll-back, a
+        reset, a state installed) or begun before a pause or a freeze is dropped: its forwards
+        were spent, nothing is written. Returns whether the step ran."""
+        return self._policy._finish_pass(self.served, outputs)
+
+
+class Policy:
+    """An adapting model as it is used: the method's model (the EVA-0-family engine
+    :class:`~.engine.AdaptiveModel` or :class:`~.foa.FOAModel`) with its health guard, compute
+    budget and input change detector, the order in which they act on a batch (see the module's
+    docstring), and the model's state as bytes and files. What the method can do (keep a
+    state, run the guard, adapt apart from serving) is its registry entry's
+    (:class:`~.registry.MethodSpec`). ``guard`` and ``budget`` are None when off; they and the
+    detector start afresh on a reset or an installed state.
+
+    >>> policy = Policy.load("vit.onnx", "eva0", seed=0)
+    >>> logits = policy.step(x)  # predicts and adapts; x: [B, C, H, W] normalised float32
+    """
 
     def __init__(self, model: AdaptiveModel | FOAModel) -> None:
         self.model = model
+        self.asynchronous = False
+        self._restart()
+
+    @classmethod
+    def load(
+        cls, path: str | os.PathLike, method: str = "eva0",
+        config: dict[str, Any] | None = None, seed: int = 0, **session: Any,
+    ) -> Policy:
+        """Open an adaptable ``.onnx`` file under ``method`` (any runtime method, ``@FP``
+        allowed); ``session``: the options of :class:`~.session.AdaptableSession`, and
+        ``prefetch`` for the EVA-0 family (see :class:`~.engine.AdaptiveModel`)."""
+        from .engine import AdaptiveModel
+        from .foa import FOAModel
+
+        if spec_of(method, *RUNTIME_KINDS).kind == "foa":
+            session.pop("prefetch", None)
+            return cls(FOAModel.load(path, method, config, seed, **session))
+        return cls(AdaptiveModel.load(path, method, config, seed, **session))
+
+    def _restart(self) -> None:
+        """New guard, budget and input change detector windows (a reset, a state installed)."""
         self.guard = self._new_guard()
         self.budget = self._new_budget()
         self.inputs = InputChangeDetector()
@@ -69,18 +138,15 @@ class StepController:
         self._waiting: list[tuple[np.ndarray, np.ndarray]] = []
 
     def _engine(self) -> AdaptiveModel:
-        """The model as the EVA-0-family engine: what the health guard, its duels and the
-        asynchronous server act on. FOA has none of them (its bounds would have to be
-        calibrated on prompts), so these paths never reach it."""
-        from .engine import AdaptiveModel
-
-        if not isinstance(self.model, AdaptiveModel):
-            raise TypeError(f"{self.model.method}: the health guard and asynchronous "
+        """The model as the EVA-0-family engine: what the health guard, its duels, the state
+        and the asynchronous server act on (its registry entry says it keeps a state)."""
+        if not self.spec.keeps_state:
+            raise TypeError(f"{self.method}: the health guard, the state and asynchronous "
                             "adaptation need an EVA-0-family method")
-        return self.model
+        return cast("AdaptiveModel", self.model)
 
     def _new_guard(self) -> HealthGuard | None:
-        if self.model.spec.kind == "foa" or not self.model.spec.adapts:
+        if not self.spec.guard or not self.spec.adapts:
             return None
         m = self._engine()
         cfg = m.config
@@ -94,14 +160,169 @@ class StepController:
 
     def _new_budget(self) -> ComputeBudget | None:
         """The compute budget, or None when the method adapts on every batch."""
-        m = self.model
-        cfg = m.config
+        cfg = self.model.config
         # adapting apart from serving, an adapted sample costs #FP + 1 forwards: F = #FP
         # still leaves some samples unadapted
-        unbounded = cfg.forwards + 1 if m.asynchronous else cfg.forwards
-        if not m.spec.adapts or cfg.budget is None or cfg.budget >= unbounded:
+        unbounded = cfg.forwards + 1 if self.asynchronous else cfg.forwards
+        if not self.spec.adapts or cfg.budget is None or cfg.budget >= unbounded:
             return None
-        return ComputeBudget(cfg.budget, cfg.forwards, m.asynchronous, cfg.budget_burst)
+        return ComputeBudget(cfg.budget, cfg.forwards, self.asynchronous, cfg.budget_burst)
+
+    # ----------------------------------------------------------------- the model
+    @property
+    def spec(self) -> MethodSpec:
+        return self.model.spec
+
+    @property
+    def method(self) -> str:
+        return self.model.method
+
+    @property
+    def metadata(self) -> ModelMetadata:
+        return self.model.metadata
+
+    @property
+    def session(self) -> AdaptableSession:
+        return self.model.session
+
+    @property
+    def config(self) -> Any:
+        """The method's hyper-parameters (:class:`~.config.AdaptConfig` or FOA's)."""
+        return self.model.config
+
+    @property
+    def state(self) -> AdaptState:
+        return self._engine().state
+
+    @property
+    def fingerprint(self) -> str:
+        return self._engine().fingerprint
+
+    @property
+    def shift(self) -> ActivationShift | None:
+        return self.model.shift
+
+    @property
+    def last(self) -> StepStats:
+        """What the last batch's served logits were (entropy, norm, skipped)."""
+        return self.model.last
+
+    @property
+    def forwards_per_sample(self) -> float:
+        return self.session.counter.per_sample
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        """Logits [B, K] under the current parameters, one forward per sample, no adaptation."""
+        return self.model.predict(x)
+
+    def freeze(self, frozen: bool = True) -> None:
+        """Predict with the current parameters and stop adapting (``frozen``), or resume."""
+        self.model.freeze(frozen)
+
+    def reset(self) -> None:
+        """Back to the source parameters, empty online statistics and fresh windows."""
+        self.model.reset()
+        self._restart()
+
+    def set_asynchronous(self, asynchronous: bool = True) -> None:
+        """Adapt apart from serving (the asynchronous server): batches are served with
+        :meth:`serve_step` and adapted on later by passes (:meth:`begin_pass`), so the compute
+        budget charges an adapted sample all its #FP forwards beyond the served one. The
+        guard's windows start again."""
+        if not self.spec.separate_step:
+            raise ValueError(f"asynchronous adaptation runs the method's step apart from "
+                             f"serving; {self.method} adapts only in its own step")
+        self.asynchronous = bool(asynchronous)
+        self._sync_state()
+        self._install(self.state)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and health of the adaptation (JSON-serialisable)."""
+        stats = {**self.model.stats(),
+                 "budget": None if self.budget is None else self.budget.summary()}
+        if not self.spec.guard:
+            return stats
+        m = self._engine()
+        guard = self.guard
+        stats["guard"] = None if guard is None else {
+            "trips": m.state.guard_trips,
+            "last_reason": guard.last_reason,
+            "pause_verdicts": dict(guard.verdicts),
+            "audits": guard.audits,
+            "signals": guard.values(stats["drift"], m.alignment()),
+            "bounds": asdict(guard.bounds),
+        }
+        return stats
+
+    def health(self) -> Health:
+        """The counters a server exports (see :class:`~.monitoring.Health`)."""
+        health = self.model.health()
+        guard = self.guard
+        if guard is None:
+            return health
+        return replace(health, guard_audits=guard.audits,
+                       guard_theta0_verdicts=guard.verdicts["theta0"] + guard.verdicts["hold"])
+
+    # ----------------------------------------------------------------- the state
+    def state_dict(self) -> dict[str, Any]:
+        """A deep copy of the state (arrays and scalars)."""
+        self._sync_state()
+        return self.state.to_dict()
+
+    def load_state_dict(self, values: dict[str, Any]) -> None:
+        """Replace the state; shapes are checked before anything changes."""
+        state = AdaptState.from_dict(values)
+        self._engine().check_state(state)
+        self._install(state)
+
+    def state_bytes(self) -> bytes:
+        """The state as checksummed npz bytes (see :mod:`.state`)."""
+        self._sync_state()
+        return encode_state(self.state, self.fingerprint, {"method": self.method})
+
+    def parse_state_bytes(self, data: bytes) -> AdaptState:
+        """Decode and validate state bytes for this model (sizes from the archive headers
+        first, checksum, fingerprint, every value and shape) without touching the current
+        state, so it may run on any thread; StateError names what is wrong."""
+        m = self._engine()
+        state, _ = decode_state(data, m.fingerprint, m.state_sizes())
+        m.check_state(state)
+        return state
+
+    def install_state(self, state: AdaptState) -> None:
+        """Replace the state with one from :meth:`parse_state_bytes`."""
+        self._install(state)
+
+    def load_state_bytes(self, data: bytes) -> None:
+        self._install(self.parse_state_bytes(data))
+
+    def save_state(self, path: str | os.PathLike) -> Path:
+        """Write the state atomically (temp file, fsync, rename)."""
+        return write_state_file(path, self.state_bytes())
+
+    def load_state(self, path: str | os.PathLike) -> None:
+        """Load a state file written by :meth:`save_state` for this model."""
+        m = self._engine()
+        state, _ = read_state_file(path, m.fingerprint, m.state_sizes())
+        m.check_state(state)
+        self._install(state)
+
+    def state_sizes(self) -> dict[str, int]:
+        """Elements of every state array for this model."""
+        return self._engine().state_sizes()
+
+    def _install(self, state: AdaptState) -> None:
+        self._engine().install(state)
+        self._restart()  # the guard's signal windows warm up again
+        if self.budget is not None:
+            self.budget.fill = state.budget_fill
+
+    def _sync_state(self) -> None:
+        """Copy the running counters that live outside the state into it."""
+        m = self._engine()
+        m.sync_state()
+        if self.budget is not None:
+            m.state.budget_fill = self.budget.fill
 
     # ----------------------------------------------------------------- the policy
     def step(self, x: np.ndarray) -> np.ndarray:
@@ -113,7 +334,7 @@ class StepController:
     def serve_step(self, x: np.ndarray) -> np.ndarray:
         """The asynchronous server's answer: :meth:`step` without the method's own step (the
         guard's duels still run, the budget earns the batch's credit); the batch is adapted on
-        later, if at all, by a pass (:meth:`begin_pass`, :meth:`finish_pass`).
+        later, if at all, by a pass (:meth:`begin_pass`).
 
         A batch of fewer than ``LEARN_BLOCK`` (8) rows served at theta is answered with the
         windows as the last block left them, and what it teaches (the input change detector,
@@ -125,9 +346,7 @@ class StepController:
         ``bench/results/serve-async/learn-after/served_path.txt``). Larger batches are served
         and learnt from as :meth:`step` does."""
         m = self._engine()
-        st = m.state
-        if not m.spec.adapts or st.frozen or st.pause_left > 0 or \
-                (not self._waiting and x.shape[0] >= LEARN_BLOCK):
+        if not self._adapting() or (not self._waiting and x.shape[0] >= LEARN_BLOCK):
             self.learn()
             return self._step(x, adapt=False)
         x = m.session.check_input(x)
@@ -153,28 +372,24 @@ class StepController:
         shift_changed = m.learn_served(features)
         self._after_change(inputs_changed or shift_changed)
 
-    def begin_pass(self, x: np.ndarray) -> ServedPass | None:
+    def begin_pass(self, x: np.ndarray) -> AdaptationPass | None:
         """Begin the adaptation pass on x [B, C, H, W] (already answered) when adaptation is on
         (not frozen, no guard pause) and the budget's credit pays for it (spent now); None
         otherwise. Nothing is served; the input and shift change detectors saw x when it was
-        served. Its ORT call (``model.run_served``) may run on any thread."""
+        served. The pass's :meth:`~AdaptationPass.run` may run on any thread."""
         self.learn()
         m = self._engine()
-        if not self._adapting(m):
+        if not self._adapting():
             return None
         if self.budget is not None and not self.budget.spend(x.shape[0]):
             return None
-        return m.begin_served(x)
+        return AdaptationPass(self, m, m.begin_served(x))
 
-    def finish_pass(self, served: ServedPass, outputs: tuple[np.ndarray, np.ndarray]) -> bool:
-        """The pass's estimate from its ORT call's ``outputs`` (logits, features) and its
-        update, then the guard watches the step's prediction.
-        A pass the state moved away from since it began (``model.current``: a roll-back, a
-        reset, a state installed) or begun before a pause or a freeze is dropped: its forwards
-        were spent, nothing is written. Returns whether the step ran."""
+    def _finish_pass(self, served: ServedPass, outputs: tuple[np.ndarray, np.ndarray]) -> bool:
+        """:meth:`AdaptationPass.finish`."""
         self.learn()
         m = self._engine()
-        if not m.current(served) or not self._adapting(m):
+        if not m.current(served) or not self._adapting():
             return False
         prediction = m.finish_served(served, outputs)
         if prediction is not None:
@@ -183,23 +398,27 @@ class StepController:
             self._after_change(False)
         return True
 
-    @staticmethod
-    def _adapting(m: AdaptiveModel) -> bool:
+    def _pause_left(self) -> int:
+        """Samples left in the health guard's pause (a state's; 0 for a method without it)."""
+        return self._engine().state.pause_left if self.spec.guard else 0
+
+    def _adapting(self) -> bool:
         """Whether the method's step may run now: it adapts, not frozen, no guard pause."""
-        return m.spec.adapts and not m.state.frozen and m.state.pause_left == 0
+        return self.spec.adapts and not self.model.frozen and self._pause_left() == 0
 
     def _step(self, x: np.ndarray, adapt: bool) -> np.ndarray:
         m = self.model
-        st = m.state
-        if not m.spec.adapts:
-            if m.shift is None or st.frozen:
+        if not self.spec.adapts:
+            if m.shift is None or m.frozen:
                 return m.predict(x)
             return m.serve(m.session.check_input(x))[0]
-        if st.pause_left > 0 and not st.frozen and self.guard is not None:
+        paused = self._pause_left()
+        if paused > 0 and not m.frozen and self.guard is not None:
             return self._paused_step(self.guard, x)
-        if st.frozen or st.pause_left > 0:
+        if m.frozen or paused > 0:
             logits = m.predict(x)
-            st.pause_left = max(0, st.pause_left - logits.shape[0])
+            if paused > 0:
+                self._engine().state.pause_left = max(0, paused - logits.shape[0])
             return logits
         x = m.session.check_input(x)
         inputs_changed = self._inputs_changed(x)
@@ -228,7 +447,7 @@ class StepController:
         if stream_changed and self.budget is not None:
             self.budget.changed()
         guard = self.guard
-        if guard is None or self.model.state.pause_left:
+        if guard is None or self._pause_left():
             return
         m = self._engine()
         now = stream_changed and m.config.guard_change_audit and \
@@ -261,7 +480,7 @@ class StepController:
         if (self.guard is None and self.budget is None) or not self.inputs.observe(x):
             return False
         if self.model.shift is not None:
-            self.model.shift.restart(self.model.state)
+            self.model.shift.restart(self._engine().state)
         return True
 
     # ----------------------------------------------------------------- the health guard
