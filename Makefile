@@ -12,7 +12,7 @@ FMNIST := /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz
 # runtime/, ...), so static tools (mypy, IDEs) resolve them too; the tree is rebuilt when the
 # set of modules changes (SOURCES below), an edit to a module needs nothing.
 SOURCES := $(sort $(wildcard src/eva0_edge/*.py exporter/*.py runtime/*.py runtime/*/*.py quant/*.py \
-	bench/*.py fleet/*.py))
+	bench/*.py bench/testbed/*.py fleet/*.py))
 SOURCE_LIST := $(VENV)/.eva0-edge-sources
 
 $(SOURCE_LIST): FORCE

@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from .evaluate import EvalSpec
 from .fleet_stream import continual_stream, per_domain, serve_stream
-from .machine import environment
-from .output import machine_line, pyplot, save_figure, write_outputs
 from .serve_load import ServeProcess
+from .testbed.evaluate import EvalSpec
+from .testbed.machine import environment
+from .testbed.output import machine_line, pyplot, save_figure, write_outputs
 
 
 def runs(budgets: list[str]) -> list[tuple[str, str, tuple[str, ...]]]:

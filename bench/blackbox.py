@@ -17,10 +17,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .evaluate import EvalSpec, evaluate, model_for, spec_dict
-from .machine import environment
-from .output import machine_line, pyplot, save_figure, write_outputs
-from .report import write_report
+from .testbed.evaluate import EvalSpec, evaluate, model_for, spec_dict
+from .testbed.machine import environment
+from .testbed.output import machine_line, pyplot, save_figure, write_outputs
+from .testbed.report import write_report
 
 METHODS = ("foa-dagger", "eva0-clubs")
 FORWARDS = (2, 8, 14, 20, 26)

@@ -23,7 +23,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .output import write_outputs
+from .testbed.output import write_outputs
 
 
 def differences(summaries: dict[str, list[dict[str, Any]]], reference: str = "eva0",

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .output import pyplot, save_figure, write_outputs
+from .testbed.output import pyplot, save_figure, write_outputs
 
 
 def summarise(reports: Path) -> list[dict[str, Any]]:

@@ -24,8 +24,8 @@ QUIET_LOGGERS = ("eva0_edge.runtime.engine", "eva0_edge.runtime.policy",
 
 def _cmd_eval(args: argparse.Namespace) -> None:
     try:
-        from eva0_edge.bench.evaluate import EvalSpec, evaluate
-        from eva0_edge.bench.report import markdown_table
+        from eva0_edge.bench.testbed.evaluate import EvalSpec, evaluate
+        from eva0_edge.bench.testbed.report import markdown_table
     except ImportError as err:
         raise missing_extra("eval", "bench", err) from err
     for name in QUIET_LOGGERS:  # trips and skips are routine on corrupted streams: the report
@@ -86,7 +86,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
             run_bench,
             write_outputs,
         )
-        from eva0_edge.bench.workload import export_random
+        from eva0_edge.bench.testbed.workload import export_random
         from eva0_edge.runtime.cache import cache_dir
     except ImportError as err:
         raise missing_extra("bench", "bench", err) from err

@@ -52,10 +52,10 @@ from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.progress import progress_bar
 from eva0_edge.runtime.registry import parse_method, spec_of
 
-from .machine import environment, process_peak_rss_mb
-from .output import machine_line, pyplot, save_figure
-from .output import write_outputs as write_bench_outputs
-from .workload import export_random, random_batch
+from .testbed.machine import environment, process_peak_rss_mb
+from .testbed.output import machine_line, pyplot, save_figure
+from .testbed.output import write_outputs as write_bench_outputs
+from .testbed.workload import export_random, random_batch
 
 SESSION_MODES = {"-lowmem": "low_memory", "-iob": "io_binding", "-split": "split"}
 COST_METHODS = (*RUNTIME_METHODS, *(f"eva0{suffix}" for suffix in SESSION_MODES), "tent")
@@ -153,7 +153,7 @@ def make_step(
         return Step(lambda: model.step(x), lambda: counter.ort_seconds, lambda: counter.forwards)
     import torch
 
-    from .backprop import BackpropTTA
+    from .testbed.backprop import BackpropTTA
 
     if threads:
         torch.set_num_threads(threads)
@@ -257,7 +257,7 @@ def torch_model_loader(torch_spec: dict | None, model_path: str):
 
             torch.manual_seed(torch_spec.get("seed", 0))
             return timm.create_model(torch_spec["arch"]).eval()
-        from .backprop import load_torch_source
+        from .testbed.backprop import load_torch_source
 
         return load_torch_source(read_metadata(model_path), (torch_spec or {}).get("checkpoint"))
 
@@ -278,7 +278,7 @@ def bench_prompt_model(
         from eva0_edge.runtime.cache import cache_dir
 
         return str(export_random(arch, cache_dir() / "bench-models", seed, PROMPT_TOKENS))
-    from .prompt_variant import prompt_variant
+    from .testbed.prompt_variant import prompt_variant
 
     return str(prompt_variant(model, PROMPT_TOKENS))
 
@@ -300,7 +300,7 @@ def fitting_methods(
     except (ValueError, FileNotFoundError) as err:
         skipped["foa"] = str(err)
     if not arch:
-        from .backprop import load_torch_source
+        from .testbed.backprop import load_torch_source
 
         try:
             load_torch_source(read_metadata(model), torch_checkpoint)

@@ -19,7 +19,7 @@ from typing import Any
 from eva0_edge.fleet.serve import init_ray
 from eva0_edge.runtime.modelfile import read_metadata
 
-from .evaluate import (
+from .testbed.evaluate import (
     EvalSpec,
     batch_sizes,
     check_method,
@@ -28,8 +28,8 @@ from .evaluate import (
     spec_dict,
     split_overrides,
 )
-from .protocols import StreamResult, run_protocol
-from .report import write_report
+from .testbed.protocols import StreamResult, run_protocol
+from .testbed.report import write_report
 
 
 def run_cell(spec: EvalSpec, name: str, batch: int, domain: str | None) -> StreamResult:

@@ -30,10 +30,10 @@ from eva0_edge.fleet.sync import FleetSync, InlineWorker, local_actor
 from eva0_edge.runtime.config import parse_key_values
 from eva0_edge.runtime.policy import Policy
 
-from .evaluate import EvalSpec
 from .fleet_stream import continual_stream, per_domain
-from .machine import environment
-from .output import machine_line, write_outputs
+from .testbed.evaluate import EvalSpec
+from .testbed.machine import environment
+from .testbed.output import machine_line, write_outputs
 
 
 def one_process(model: str, method: str, config: dict[str, Any], x: np.ndarray, batch: int,

@@ -28,11 +28,11 @@ import tritonclient.http as httpclient
 
 from eva0_edge.runtime.modelfile import read_metadata
 
-from .evaluate import EvalSpec, evaluate, load_domains
-from .machine import environment
-from .output import machine_line, pyplot, save_figure, write_outputs
-from .protocols import stream_order
 from .serve_load import ServeProcess
+from .testbed.evaluate import EvalSpec, evaluate, load_domains
+from .testbed.machine import environment
+from .testbed.output import machine_line, pyplot, save_figure, write_outputs
+from .testbed.protocols import stream_order
 
 
 def continual_stream(spec: EvalSpec) -> tuple[list[str], np.ndarray, np.ndarray]:

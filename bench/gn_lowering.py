@@ -26,7 +26,7 @@ from torch import nn
 
 from eva0_edge.runtime.session import session_options
 
-from .output import pyplot, save_figure, write_outputs
+from .testbed.output import pyplot, save_figure, write_outputs
 
 SHAPES = [(256, 56, 56), (512, 28, 28), (1024, 14, 14), (2048, 7, 7)]
 GROUPS = 32

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .output import write_outputs
+from .testbed.output import write_outputs
 
 COST_COLUMNS = (("eva0-split", "EVA-0 default"), ("eva0", "EVA-0 one call"),
                 ("zoa-split", "ZOA default"), ("zoa", "ZOA one call"))

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from .datasets import CLEAN
-from .report import paired_gap, read_traces
+from .testbed.datasets import CLEAN
+from .testbed.report import paired_gap, read_traces
 
 EARLY = 50  # clean images right after the hostile stream, where a lagging adapter would lose
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..runtime.modelfile import read_metadata
-from .output import pyplot, save_figure, write_outputs
+from .testbed.output import pyplot, save_figure, write_outputs
 
 
 def cost_rows(reports: Path) -> list[dict[str, Any]]:

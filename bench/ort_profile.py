@@ -23,9 +23,9 @@ from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.session import AdaptableSession
 
-from .machine import environment
-from .output import write_outputs
-from .workload import export_random, random_batch
+from .testbed.machine import environment
+from .testbed.output import write_outputs
+from .testbed.workload import export_random, random_batch
 
 
 def op_times(path: str, method: str, batch: int, steps: int, threads: int | None) -> dict:

@@ -39,13 +39,13 @@ from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.preprocess import preprocess_uint8
 
-from .datasets import Domain, fmnist_c_domains
-from .fashion_mnist import load_fashion_mnist, train_val_indices
-from .machine import environment, process_peak_rss_mb
-from .output import machine_line, pyplot, save_figure, write_outputs
-from .protocols import run_protocol
-from .report import paired_gap
-from .workload import export_random, random_batch
+from .testbed.datasets import Domain, fmnist_c_domains
+from .testbed.fashion_mnist import load_fashion_mnist, train_val_indices
+from .testbed.machine import environment, process_peak_rss_mb
+from .testbed.output import machine_line, pyplot, save_figure, write_outputs
+from .testbed.protocols import run_protocol
+from .testbed.report import paired_gap
+from .testbed.workload import export_random, random_batch
 
 CALIBRATION_IMAGES = 32
 

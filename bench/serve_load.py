@@ -51,10 +51,10 @@ import tritonclient.http as httpclient
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.preprocess import preprocess_uint8
 
-from .datasets import TEST_SEED, corrupted_fmnist
-from .machine import environment
-from .output import machine_line, pyplot, save_figure, write_outputs
-from .workload import random_batch
+from .testbed.datasets import TEST_SEED, corrupted_fmnist
+from .testbed.machine import environment
+from .testbed.output import machine_line, pyplot, save_figure, write_outputs
+from .testbed.workload import random_batch
 
 ASYNC = "+async"  # a method named eva0+async is served with --async-adapt
 BUDGET = "@"  # eva0@1.5: served with --budget 1.5

@@ -21,7 +21,7 @@ import time
 from eva0_edge.runtime.cache import cache_dir
 
 from .cost import make_step
-from .workload import export_random
+from .testbed.workload import export_random
 
 
 def profile_steps(

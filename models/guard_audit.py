@@ -28,9 +28,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from eva0_edge.bench.corruptions import CORRUPTIONS
-from eva0_edge.bench.evaluate import EvalSpec, load_domains, method_factory
-from eva0_edge.bench.protocols import run_protocol
+from eva0_edge.bench.testbed.corruptions import CORRUPTIONS
+from eva0_edge.bench.testbed.evaluate import EvalSpec, load_domains, method_factory
+from eva0_edge.bench.testbed.protocols import run_protocol
 from eva0_edge.runtime.modelfile import load_onnx, read_metadata, save_onnx, set_metadata
 
 

@@ -21,7 +21,7 @@ import os
 import time
 from pathlib import Path
 
-from eva0_edge.bench.evaluate import EvalSpec, load_domains
+from eva0_edge.bench.testbed.evaluate import EvalSpec, load_domains
 from eva0_edge.runtime.guard import GuardBounds
 from eva0_edge.runtime.modelfile import load_onnx, read_metadata, save_onnx, set_metadata
 from eva0_edge.runtime.policy import Policy

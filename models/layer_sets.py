@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
-from eva0_edge.bench.fashion_mnist import (
+from eva0_edge.bench.testbed.fashion_mnist import (
     CALIBRATION_IMAGES,
     CLASS_NAMES,
     load_fashion_mnist,
     train_val_indices,
 )
-from eva0_edge.bench.testbed_archs import ARCHS
+from eva0_edge.bench.testbed.testbed_archs import ARCHS
 from eva0_edge.exporter import export_model
 from eva0_edge.runtime.calibrate import calibrate_with_images
 from eva0_edge.runtime.metadata import Preprocessing

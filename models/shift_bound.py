@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 from tune import write_choice
 
-from eva0_edge.bench.corruptions import CORRUPTIONS
-from eva0_edge.bench.datasets import CLEAN, fmnist_c_domains
+from eva0_edge.bench.testbed.corruptions import CORRUPTIONS
+from eva0_edge.bench.testbed.datasets import CLEAN, fmnist_c_domains
 from eva0_edge.runtime.preprocess import preprocess_uint8
 from eva0_edge.runtime.session import AdaptableSession
 from eva0_edge.runtime.shift import load_shift

@@ -5,7 +5,7 @@ as an adaptable ONNX model with source feature statistics, and log what happened
     python models/train.py --arch resnet_gn_fmnist --epochs 6 --seed 0
 
 Training uses the train split minus the 5000 held-out validation images
-(``bench.fashion_mnist.train_val_indices``); the test split is only used for the final clean
+(``bench.testbed.fashion_mnist.train_val_indices``); the test split is only used for the final clean
 accuracy. Output: ``models/<arch>.onnx`` (the adaptable model), ``models/<arch>.pth`` (the torch
 state dict, for the backprop baselines) and ``models/<arch>.train.json`` (the training log).
 """
@@ -24,13 +24,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from eva0_edge.bench.fashion_mnist import (
+from eva0_edge.bench.testbed.fashion_mnist import (
     CALIBRATION_IMAGES,
     CLASS_NAMES,
     load_fashion_mnist,
     train_val_indices,
 )
-from eva0_edge.bench.testbed_archs import ARCHS
+from eva0_edge.bench.testbed.testbed_archs import ARCHS
 from eva0_edge.exporter import export_model
 from eva0_edge.runtime.cache import cache_dir
 from eva0_edge.runtime.calibrate import calibrate_with_images

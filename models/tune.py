@@ -34,12 +34,13 @@ budget ineligible: 1.5008 at F = 1.5 over 15000 samples). The compute budget's b
         --set budget=1.5 --grid budget_burst=512,1024,2048 --limit 1000 --clean-limit 1000 \
         --batch-sizes 1,16,64 --max-forwards 1.5 --log models/vit_fmnist.tune-eva0-burst-1.5.json
 
-``--method foa`` runs on the model's prompt variant (``bench.prompt_variant``) by the same rule;
-its default grid is ``lambda_fit`` (the fitness's feature-statistics weight) at the scales above,
-and the winner goes into the shipped file's ``tuned`` values, which the prompt variant carries.
+``--method foa`` runs on the model's prompt variant (``bench.testbed.prompt_variant``) by the
+same rule; its default grid is ``lambda_fit`` (the fitness's feature-statistics weight) at the
+scales above, and the winner goes into the shipped file's ``tuned`` values, which the prompt
+variant carries.
 
 ``--method eva0-clubs`` tunes the black-box prompt method on the model's prompt variant
-(``bench.prompt_variant``) at one batch size, as before: its log is
+(``bench.testbed.prompt_variant``) at one batch size, as before: its log is
 ``models/<arch>_prompt.tune.json``, whose best values the prompt variant carries.
 """
 
@@ -53,10 +54,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eva0_edge.bench.backprop import PAPER_LR
-from eva0_edge.bench.evaluate import BACKPROP, EvalSpec, evaluate
-from eva0_edge.bench.prompt_variant import tune_log_path
-from eva0_edge.bench.protocols import StreamResult
+from eva0_edge.bench.testbed.backprop import PAPER_LR
+from eva0_edge.bench.testbed.evaluate import BACKPROP, EvalSpec, evaluate
+from eva0_edge.bench.testbed.prompt_variant import tune_log_path
+from eva0_edge.bench.testbed.protocols import StreamResult
 from eva0_edge.runtime.budget import forwards_bound
 from eva0_edge.runtime.config import AdaptConfig, parse_key_values
 from eva0_edge.runtime.foa import FOA_METHODS, FOAConfig

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eva0_edge.bench.fashion_mnist import load_fashion_mnist
+from eva0_edge.bench.testbed.fashion_mnist import load_fashion_mnist
 from eva0_edge.runtime.config import AdaptConfig
 from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.modelfile import read_metadata

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eva0_edge.bench.datasets import corrupted_fmnist
-from eva0_edge.bench.fashion_mnist import load_fashion_mnist
+from eva0_edge.bench.testbed.datasets import corrupted_fmnist
+from eva0_edge.bench.testbed.fashion_mnist import load_fashion_mnist
 from eva0_edge.runtime.budget import BURST_SAMPLES, ComputeBudget, forwards_bound
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.policy import Policy

@@ -77,7 +77,7 @@ def test_peak_memory_is_measured_in_a_fresh_process(small_vit):
     import numpy as np
 
     from eva0_edge.bench import cost
-    from eva0_edge.bench.machine import process_peak_rss_mb
+    from eva0_edge.bench.testbed.machine import process_peak_rss_mb
 
     ballast = np.ones(400 * 2**20 // 8)  # +400 MB in this process only
     parent = process_peak_rss_mb()
@@ -120,7 +120,7 @@ def test_quantize_reports_its_own_peak_memory_not_its_parents(tmp_path):
     import multiprocessing
 
     from eva0_edge.bench import quant_eval
-    from eva0_edge.bench.machine import process_peak_rss_mb
+    from eva0_edge.bench.testbed.machine import process_peak_rss_mb
 
     vit = Path(__file__).resolve().parents[1] / "models" / "vit_fmnist.onnx"
     calibration = tmp_path / "calibration.npy"
@@ -136,7 +136,7 @@ def test_quantize_reports_its_own_peak_memory_not_its_parents(tmp_path):
 
 
 def test_the_paired_gap_counts_only_the_images_the_two_files_disagree_on():
-    from eva0_edge.bench.report import paired_gap
+    from eva0_edge.bench.testbed.report import paired_gap
 
     integer = np.array([1, 1, 1, 0, 1, 0, 1, 1, 0, 0], bool)
     fake = np.array([1, 0, 0, 1, 1, 0, 1, 0, 0, 0], bool)  # b = 3, c = 1 of N = 10
@@ -183,7 +183,7 @@ def test_quant_and_serve_benchmarks_write_their_outputs(tmp_path):
 
 def test_serve_load_sends_the_corrupted_stream_in_order(tmp_path):
     from eva0_edge.bench import serve_load
-    from eva0_edge.bench.datasets import TEST_SEED, corrupted_fmnist
+    from eva0_edge.bench.testbed.datasets import TEST_SEED, corrupted_fmnist
     from eva0_edge.runtime.modelfile import read_metadata
     from eva0_edge.runtime.preprocess import preprocess_uint8
 
@@ -224,7 +224,7 @@ def test_serve_load_table_is_the_median_of_interleaved_rounds(tmp_path):
     """Three rounds: medians of every measure, and the ratio to NoAdapt taken within each
     round (a slow round slows both) before the median."""
     from eva0_edge.bench import serve_load
-    from eva0_edge.bench.machine import environment
+    from eva0_edge.bench.testbed.machine import environment
 
     def row(index: int, method: str, images: float, p50: float) -> dict:
         return {"round": index, "method": method, "delay": "adaptive", "replicas": 0,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eva0_edge.bench.evaluate import EvalSpec, evaluate
+from eva0_edge.bench.testbed.evaluate import EvalSpec, evaluate
 
 from .serving import MODEL
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eva0_edge.bench.datasets import corrupted_fmnist
-from eva0_edge.bench.evaluate import EvalSpec, load_domains
-from eva0_edge.bench.fashion_mnist import load_fashion_mnist
+from eva0_edge.bench.testbed.datasets import corrupted_fmnist
+from eva0_edge.bench.testbed.evaluate import EvalSpec, load_domains
+from eva0_edge.bench.testbed.fashion_mnist import load_fashion_mnist
 from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.guard import GuardBounds, HealthGuard
 from eva0_edge.runtime.modelfile import read_metadata

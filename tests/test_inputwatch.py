@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eva0_edge.bench.datasets import corrupted_fmnist
+from eva0_edge.bench.testbed.datasets import corrupted_fmnist
 from eva0_edge.runtime.inputwatch import RECENT_SAMPLES, InputChangeDetector, describe
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.preprocess import preprocess_uint8

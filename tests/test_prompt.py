@@ -135,7 +135,7 @@ def test_foa_honours_the_forward_budget(prompt_vit, method, fp):
 def wide_prompt_vit(tmp_path_factory) -> Path:
     """A 576-dimension prompt (ViT width 192, 3 tokens, 2 blocks), calibrated on 64
     Fashion-MNIST images: where small CMA-ES populations broke."""
-    from eva0_edge.bench.fashion_mnist import load_fashion_mnist
+    from eva0_edge.bench.testbed.fashion_mnist import load_fashion_mnist
     from eva0_edge.runtime.calibrate import calibrate_with_images
     from tests.conftest import export_small
 
@@ -151,7 +151,7 @@ def wide_prompt_vit(tmp_path_factory) -> Path:
 def test_every_population_keeps_searching(wide_prompt_vit, forwards):
     """K = 2-4 broke inside cma within 8 batches of 64 (unused injected directions at 2, NaN
     covariance eigenvalues at 3 and 4); every K runs."""
-    from eva0_edge.bench.fashion_mnist import load_fashion_mnist
+    from eva0_edge.bench.testbed.fashion_mnist import load_fashion_mnist
     from eva0_edge.runtime.preprocess import preprocess_uint8
 
     model = Policy.load(wide_prompt_vit, f"foa@{forwards}", provider="cpu")
@@ -166,8 +166,8 @@ def test_every_population_keeps_searching(wide_prompt_vit, forwards):
 def test_cma_es_improves_the_fitness_on_a_fixed_batch():
     """On the shipped ViT's prompt variant and 32 noisy test images, FOA-dagger's best fitness
     never rises (the previous best is re-evaluated) and falls well below the initial prompt's."""
-    from eva0_edge.bench.fashion_mnist import load_fashion_mnist
-    from eva0_edge.bench.prompt_variant import prompt_variant
+    from eva0_edge.bench.testbed.fashion_mnist import load_fashion_mnist
+    from eva0_edge.bench.testbed.prompt_variant import prompt_variant
 
     model = Policy.load(prompt_variant(SHIPPED_VIT), "foa-dagger@10", seed=0, provider="cpu")
     pre = model.metadata.preprocessing

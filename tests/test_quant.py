@@ -238,7 +238,7 @@ def test_quantize_cli(calibrated_vit, tmp_path, capsys):
 
 
 def test_backprop_baselines_refuse_a_quantized_model(calibrated_vit, calibration, tmp_path):
-    from eva0_edge.bench.evaluate import EvalSpec, method_factory
+    from eva0_edge.bench.testbed.evaluate import EvalSpec, method_factory
 
     out = tmp_path / "w8.onnx"
     quantize_model(calibrated_vit, out, 8, calibration, "int8")
@@ -325,7 +325,7 @@ def test_integer_logits_match_the_fake_quant_file(fmnist_vit_images, tmp_path, b
 
 @pytest.fixture(scope="module")
 def fmnist_vit_images():
-    from eva0_edge.bench.fashion_mnist import load_fashion_mnist
+    from eva0_edge.bench.testbed.fashion_mnist import load_fashion_mnist
     from eva0_edge.runtime.preprocess import preprocess_uint8
     from tests.test_testbed import SHIPPED
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from eva0_edge.bench.cost import COST_METHODS, check_cost_method
-from eva0_edge.bench.evaluate import BACKPROP, known_methods
+from eva0_edge.bench.testbed.evaluate import BACKPROP, known_methods
 from eva0_edge.runtime.cli import RUNTIME_METHOD_HELP
 from eva0_edge.runtime.engine import METHODS
 from eva0_edge.runtime.foa import FOA_METHODS

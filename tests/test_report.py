@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from eva0_edge.bench.protocols import StreamResult
-from eva0_edge.bench.report import pareto_front, pareto_lines, read_traces, write_report
+from eva0_edge.bench.testbed.protocols import StreamResult
+from eva0_edge.bench.testbed.report import pareto_front, pareto_lines, read_traces, write_report
 
 
 def _run(method: str, batch: int, average: float, forwards: float | None) -> StreamResult:

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eva0_edge.bench.corruptions import CORRUPTIONS, corrupt_images
-from eva0_edge.bench.datasets import Domain, folder_domains
-from eva0_edge.bench.fashion_mnist import load_fashion_mnist, train_val_indices
-from eva0_edge.bench.protocols import run_protocol, stream_order
+from eva0_edge.bench.testbed.corruptions import CORRUPTIONS, corrupt_images
+from eva0_edge.bench.testbed.datasets import Domain, folder_domains
+from eva0_edge.bench.testbed.fashion_mnist import load_fashion_mnist, train_val_indices
+from eva0_edge.bench.testbed.protocols import run_protocol, stream_order
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.policy import Policy
 
@@ -237,8 +237,8 @@ def test_eval_sweeps_batch_sizes_on_the_clean_domain(tmp_path):
 def test_the_sensor_fault_sweep_is_labelled_levelled_and_seeded():
     """``gauss-S`` adds noise of std S (255 S on uint8, less where clipped), ``blur-R`` removes
     detail, ``jpeg-Q`` is lossy; labels are the clean images'; a bad level is refused."""
-    from eva0_edge.bench.datasets import TEST_SEED, fmnist_c_domains
-    from eva0_edge.bench.hostile import NOISE_SWEEP, hostile_images
+    from eva0_edge.bench.testbed.datasets import TEST_SEED, fmnist_c_domains
+    from eva0_edge.bench.testbed.hostile import NOISE_SWEEP, hostile_images
 
     indices = np.arange(64)
     clean = fmnist_c_domains(5, "test", corruptions=["clean"], indices=indices,
@@ -270,9 +270,9 @@ def test_the_sensor_fault_sweep_is_labelled_levelled_and_seeded():
 def test_hostile_streams_and_the_soak_protocol(tmp_path):
     """Hostile domains keep their order and leave unlabelled frames unscored; the soak runs the
     continual stream ten times without reset and reports every pass."""
-    from eva0_edge.bench.datasets import fmnist_c_domains
-    from eva0_edge.bench.hostile import HOSTILE
-    from eva0_edge.bench.protocols import stream_order
+    from eva0_edge.bench.testbed.datasets import fmnist_c_domains
+    from eva0_edge.bench.testbed.hostile import HOSTILE
+    from eva0_edge.bench.testbed.protocols import stream_order
     from eva0_edge.cli import main
 
     indices = np.arange(120)
@@ -336,8 +336,8 @@ def test_the_hostile_summary_compares_the_methods_image_by_image(tmp_path):
     """With the runs' traces: the clean gap's standard error from the images only one method
     gets right, and where EVA-0's net losses fall (the first 50 clean images or later)."""
     from eva0_edge.bench.hostile_summary import summarise
-    from eva0_edge.bench.protocols import StreamResult
-    from eva0_edge.bench.report import traces_npz
+    from eva0_edge.bench.testbed.protocols import StreamResult
+    from eva0_edge.bench.testbed.report import traces_npz
 
     def trace(clean_hits: list[int]) -> StreamResult:
         hits = [0] * 10 + clean_hits  # 10 hostile images first

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eva0_edge.bench.protocols import StreamResult
+from eva0_edge.bench.testbed.protocols import StreamResult
 from eva0_edge.runtime.budget import forwards_bound
 
 RECIPE = Path(__file__).resolve().parents[1] / "models" / "tune.py"

@@ -47,8 +47,8 @@ SERVED_BATCH = 8
 
 def fixed_stream() -> tuple[np.ndarray, np.ndarray]:
     """uint8 images [2048, 32, 32, 3] and their labels [2048]: clean, noise, black, clean."""
-    from eva0_edge.bench.corruptions import corrupt_images
-    from eva0_edge.bench.fashion_mnist import load_fashion_mnist
+    from eva0_edge.bench.testbed.corruptions import corrupt_images
+    from eva0_edge.bench.testbed.fashion_mnist import load_fashion_mnist
 
     images, labels = load_fashion_mnist("test")
     images, labels = np.array(images[:2048]), np.array(labels[:2048])
@@ -149,7 +149,7 @@ def wait_for_pass(server: Any, name: str, http_call: Any, served: int) -> None:
 
 def record() -> dict[str, Any]:
     """Every run above, keyed ``model/method/B``, and ``serve/sync`` / ``serve/async``."""
-    from eva0_edge.bench.prompt_variant import prompt_variant
+    from eva0_edge.bench.testbed.prompt_variant import prompt_variant
 
     images, labels = fixed_stream()
     runs: dict[str, Any] = {}

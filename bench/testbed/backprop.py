@@ -27,7 +27,7 @@ from torch import nn
 from eva0_edge.runtime.metadata import ModelMetadata
 from eva0_edge.runtime.registry import method_names
 
-SHIPPED_MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
+SHIPPED_MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
 BACKPROP_METHODS = method_names("torch")
 PAPER_LR = {"vit": 1e-3, "resnet_gn": 2.5e-4}
 
