@@ -14,6 +14,7 @@ own the state. Ray Serve does the rest: the proxy, routing to replicas, restarts
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,21 +37,21 @@ class ReplicaSpec:
     seed: int = 0
 
 
-class EdgeReplica:
-    """The Ray Serve deployment class (wrapped by :func:`.serve.fleet_application`): loads the
-    model, joins the fleet, and serves ``create_app`` through the ingress."""
+def replica_app(spec: ReplicaSpec, actor: Any) -> Callable[[], Any]:
+    """The builder of one replica's ASGI app for Serve's documented ``serve.ingress(builder)``
+    (evaluated on each replica as it starts): it loads the model under a seed of its own,
+    joins the fleet-state ``actor`` and returns ``create_app``'s application."""
 
-    def __init__(self, spec: ReplicaSpec, actor: Any) -> None:
+    def build() -> Any:
         from ray import serve
 
         replica = serve.get_replica_context().replica_id.unique_id
         seed = spec.seed + zlib.crc32(replica.encode()) % 100_000
-        self.model = load_method(**{**spec.load, "seed": seed})
-        if not self.model.spec.keeps_state:
+        model = load_method(**{**spec.load, "seed": seed})
+        if not model.spec.keeps_state:
             raise ValueError(f"the fleet merges EVA-0-family states; {spec.load['name']} keeps "
                              "none")
-        self.sync = FleetSync(ray_actor(actor), replica, self.model, spec.sync_every_s)
-        self.options = spec.options
+        return create_app(model, spec.options,
+                          FleetSync(ray_actor(actor), replica, model, spec.sync_every_s))
 
-    def __serve_build_asgi_app__(self) -> Any:
-        return create_app(self.model, self.options, self.sync)
+    return build

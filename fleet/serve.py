@@ -16,7 +16,7 @@ from typing import Any
 from eva0_edge.runtime.methods import load_method
 from eva0_edge.runtime.policy import Policy
 
-from .replica import EdgeReplica, ReplicaSpec
+from .replica import ReplicaSpec, replica_app
 from .state_actor import FleetConfig, FleetState
 
 log = logging.getLogger("eva0_edge.fleet")
@@ -114,12 +114,12 @@ def fleet_application(
     actor = fleet_actor(spec, config, probe)
     spec = dataclasses.replace(spec, load=shared_stream_load(spec.load, probe, replicas))
     deployment = serve.deployment(
-        serve.ingress()(EdgeReplica), name="replica", num_replicas=replicas,
+        serve.ingress(replica_app(spec, actor))(), name="replica", num_replicas=replicas,
         max_ongoing_requests=max(2 * spec.options.max_batch, 16),
         ray_actor_options={"num_cpus": replica_cpus}, health_check_period_s=2.0,
         graceful_shutdown_timeout_s=10.0,
     )
-    return deployment.bind(spec, actor)
+    return deployment.bind()
 
 
 def shared_stream_load(load: dict[str, Any], probe: Policy,

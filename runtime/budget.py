@@ -53,7 +53,9 @@ def check_budget(method: str, budget: float | None, forwards: int, burst: int) -
     if budget is not None and not 1 <= budget <= forwards:
         raise ValueError(f"{method}: budget must be between 1 and the method's {forwards} "
                          f"forwards per sample (None: {forwards}), got {budget}")
-    _check_burst(burst)
+    if not 1 <= burst <= MAX_BURST_SAMPLES:
+        raise ValueError(f"budget_burst must be between 1 and {MAX_BURST_SAMPLES} samples, "
+                         f"got {burst}")
 
 
 def forwards_bound(budget: float, burst: int, samples: int, batch: int) -> float:
@@ -62,12 +64,6 @@ def forwards_bound(budget: float, burst: int, samples: int, batch: int) -> float
     the full bucket it starts with and the batch that may end a duel, spread over the samples:
     F + ((F - 1) burst + batch) / samples."""
     return budget + ((budget - 1.0) * burst + batch) / samples
-
-
-def _check_burst(burst: int) -> None:
-    if not 1 <= burst <= MAX_BURST_SAMPLES:
-        raise ValueError(f"budget_burst must be between 1 and {MAX_BURST_SAMPLES} samples, "
-                         f"got {burst}")
 
 
 class ComputeBudget:
@@ -81,10 +77,7 @@ class ComputeBudget:
         self, budget: float, forwards: int, asynchronous: bool = False,
         burst: int = BURST_SAMPLES,
     ) -> None:
-        if not 1.0 <= budget <= forwards:
-            raise ValueError(f"budget must be between 1 and the method's {forwards} forwards "
-                             f"per sample, got {budget}")
-        _check_burst(burst)
+        check_budget("compute budget", budget, forwards, burst)
         self.budget = float(budget)
         # forwards an adapted sample pays beyond the served one: the step's own prediction is
         # served (forwards - 1), or, adapting apart from serving (the asynchronous server), none

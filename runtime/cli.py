@@ -356,6 +356,8 @@ def _is_loopback(host: str) -> bool:
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register the device subcommands on the dispatcher's subparsers."""
+    from .server.options import serve_defaults
+
     p = sub.add_parser("info", help="print an adaptable model's metadata")
     p.add_argument("model", nargs="?", help="adaptable .onnx file (or --model, as elsewhere)")
     p.add_argument("--model", dest="model_option", metavar="MODEL", help="adaptable .onnx file")
@@ -383,26 +385,30 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     add_runtime_options(p)
     p.set_defaults(func=_cmd_adapt)
 
+    serve = serve_defaults()
     p = sub.add_parser("serve", help="Open Inference Protocol server that adapts online")
     p.add_argument("--model", required=True, help="adaptable .onnx file")
     p.add_argument("--name", help="model name in the URLs (default: the file's stem)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--host", default=serve["host"], help="bind address (default %(default)s)")
     p.add_argument("--port", type=int_in(0, 65535), default=8000,
                    help="default 8000 (0: any free port)")
     p.add_argument("--method", default="eva0", type=_runtime_method, help=RUNTIME_METHOD_HELP)
-    p.add_argument("--max-batch", type=int, default=64,
-                   help="most rows per adaptation step and per request (default 64)")
-    p.add_argument("--max-delay-ms", type=float, default=10.0,
-                   help="how long a request waits for others to join its step (default 10)")
+    p.add_argument("--max-batch", type=int, default=serve["max_batch"],
+                   help="most rows per adaptation step and per request (default %(default)s)")
+    p.add_argument("--max-delay-ms", type=float, default=serve["max_delay_ms"],
+                   help="how long a request waits for others to join its step "
+                   "(default %(default)g)")
     p.add_argument("--state-dir", help="snapshot folder: resumed from at start, written to "
                    "every --snapshot-every steps and at shutdown")
-    p.add_argument("--snapshot-every", type=int, default=100, help="steps (default 100)")
-    p.add_argument("--keep-snapshots", type=int, default=3, help="newest kept (default 3)")
-    p.add_argument("--max-body-mb", type=float, default=64.0,
-                   help="request limit (MiB, default 64)")
-    p.add_argument("--max-pixels-mp", type=float, default=16.0,
-                   help="decoded megapixels per 'images' request (default 16: a 16 MP RGBA "
-                   "PNG takes 128 MiB to decode and convert)")
+    p.add_argument("--snapshot-every", type=int, default=serve["snapshot_every"],
+                   help="steps (default %(default)s)")
+    p.add_argument("--keep-snapshots", type=int, default=serve["keep_snapshots"],
+                   help="newest kept (default %(default)s)")
+    p.add_argument("--max-body-mb", type=float, default=serve["max_body_mb"],
+                   help="request limit (MiB, default %(default)g)")
+    p.add_argument("--max-pixels-mp", type=float, default=serve["max_pixels_mp"],
+                   help="decoded megapixels per 'images' request (default %(default)g: a 16 MP "
+                   "RGBA PNG takes 128 MiB to decode and convert)")
     p.add_argument("--fixed-delay", action="store_true",
                    help="always let the oldest request wait up to --max-delay-ms for others "
                    "(default: wait only while more requests are being decoded)")
@@ -410,14 +416,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="answer each request from one forward at the current theta as soon as "
                    "its batch has run, and adapt on recent answered inputs while idle, within "
                    "--budget (EVA-0 family)")
-    p.add_argument("--header-timeout-s", type=float, default=10.0,
+    p.add_argument("--header-timeout-s", type=float, default=serve["header_timeout_s"],
                    help="seconds a request's headers may take to arrive; later: 408 and the "
-                   "connection closed (default 10)")
+                   "connection closed (default %(default)g)")
     p.add_argument("--admin-token", help="bearer token of the admin endpoints (reset, PUT "
                    "state; default: $EVA0_ADMIN_TOKEN); without one they are refused off "
                    "loopback")
-    p.add_argument("--summary-every", type=float, default=30.0,
-                   help="seconds between info-level summaries (default 30)")
+    p.add_argument("--summary-every", type=float, default=serve["summary_every_s"],
+                   help="seconds between info-level summaries (default %(default)g)")
     p.add_argument("--threads", type=int_in(1),
                    help="ORT intra-op threads (default: ORT's, one per core)")
     p.add_argument("--low-memory", action="store_true", help=LOW_MEMORY_HELP)

@@ -138,7 +138,7 @@ def test_a_heartbeat_shows_an_opaque_call_is_running():
 
 
 def test_reports_round_float_noise_and_print_the_load_readably():
-    from eva0_edge.bench.output import load_text, tidy
+    from eva0_edge.bench.testbed.output import load_text, tidy
 
     assert tidy({"a": [80.52000000000001, (1 / 3, 2)], "b": "x", "c": 7}) == {
         "a": [80.52, [0.3333333333, 2]], "b": "x", "c": 7}

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from eva0_edge.bench.fashion_mnist import load_fashion_mnist
+from eva0_edge.bench.testbed.fashion_mnist import load_fashion_mnist
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.preprocess import preprocess_uint8

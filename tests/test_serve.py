@@ -13,7 +13,7 @@ import pytest
 import tritonclient.http as httpclient
 from PIL import Image
 
-from eva0_edge.bench.fashion_mnist import load_fashion_mnist
+from eva0_edge.bench.testbed.fashion_mnist import load_fashion_mnist
 from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.policy import Policy

@@ -36,16 +36,17 @@ from starlette.concurrency import run_in_threadpool
 from eva0_edge import __version__
 
 from ..policy import Policy
-from .context import ServeOptions, ServerContext, StepSummary, error_response, log
+from .context import ServerContext, StepSummary, error_response, log
 from .extension import ServerExtension
 from .metrics import ServerMetrics
+from .options import ServeOptions
 from .protocol import ProtocolError
 from .routes_adaptation import adaptation_router, metrics_router
 from .routes_oip import oip_router
 from .snapshots import SnapshotStore
 from .worker import AdaptationWorker, StepRecord
 
-__all__ = ["ServeOptions", "create_app"]
+__all__ = ["create_app"]
 
 
 def create_app(

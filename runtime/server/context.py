@@ -9,6 +9,7 @@ import ipaddress
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse
 from ..policy import Policy
 from .extension import ServerExtension
 from .metrics import ServerMetrics
+from .options import ServeOptions
 from .protocol import ProtocolError
 from .snapshots import SnapshotStore
 from .worker import AdaptationWorker, StepRecord
@@ -25,40 +27,6 @@ from .worker import AdaptationWorker, StepRecord
 log = logging.getLogger("eva0_edge.serve")
 
 MODEL_VERSION = "1"
-
-
-@dataclass
-class ServeOptions:
-    """Server settings. ``max_delay_ms``: how long the oldest queued request may wait for others to
-    join its step; ``adaptive_delay``: wait only while announced requests are still being
-    decoded (see :mod:`.worker`), else up to ``max_delay_ms`` always; ``asynchronous``: answer
-    from one forward and adapt on answered inputs while idle (see :mod:`.worker`);
-    ``snapshot_every``: steps between snapshots; ``max_body_mb``: the largest request body
-    accepted (MiB);
-    ``summary_every_s``: seconds between info-level summaries; ``max_pixels_mp``: decoded
-    megapixels per ``images`` request; ``admin_token``: the bearer token of the admin endpoints;
-    ``loopback``: the server binds a loopback address only (admin endpoints are open there
-    without a token); ``body_timeout_s``: the longest a request body may take to arrive;
-    ``header_timeout_s``: the longest a request's headers may take, from the connection's
-    opening or the previous response (then 408 and the connection is closed); ``host``: the
-    address bound (admin requests may name it in ``Host``)."""
-
-    name: str
-    max_batch: int = 64
-    max_delay_ms: float = 10.0
-    adaptive_delay: bool = True
-    asynchronous: bool = False
-    state_dir: str | None = None
-    snapshot_every: int = 100
-    keep_snapshots: int = 3
-    max_body_mb: float = 64.0
-    summary_every_s: float = 30.0
-    max_pixels_mp: float = 16.0
-    admin_token: str | None = None
-    loopback: bool = True
-    body_timeout_s: float = 30.0
-    header_timeout_s: float = 10.0
-    host: str = "127.0.0.1"
 
 
 def finite_stats(stats: Any) -> Any:
@@ -224,7 +192,8 @@ class ServerContext:
         return int(self.options.max_pixels_mp * 1e6)
 
     def check_name(self, name: str, version: str = MODEL_VERSION) -> None:
-        """404 for another model's name or an unknown version."""
+        """404 for another model's name or an unknown version (a route's dependency:
+        ``Depends(ctx.check_name)`` reads both from its path, or ``version`` from the query)."""
         if name != self.options.name:
             raise ProtocolError(
                 f"unknown model {name!r}; this server serves {self.options.name!r}", 404
@@ -233,6 +202,15 @@ class ServerContext:
             raise ProtocolError(
                 f"unknown version {version!r} of {name!r}; versions: [{MODEL_VERSION!r}]", 404
             )
+
+    def admin(self, body: str | None = None) -> Callable[[Request], None]:
+        """The admin check of a route as a dependency (``Depends(ctx.admin(...))``): see
+        :func:`admin_check`; ``body``: the media type of the body it takes, if any."""
+
+        def check(request: Request) -> None:
+            admin_check(request, self.options, body)
+
+        return check
 
     async def read_body(self, request: Request, limit: int | None = None) -> bytearray:
         """The body, at most ``limit`` bytes (default: the server's body limit)."""

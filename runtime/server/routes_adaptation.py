@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
@@ -20,16 +20,25 @@ FREEZE_BODY_LIMIT = 1024  # bytes: {"frozen": false} and some whitespace
 
 
 def adaptation_router(ctx: ServerContext) -> APIRouter:
-    router = APIRouter(prefix="/v2/models/{name}/adaptation")
+    """Every route checks the model's name first (``ctx.check_name``), then, for the admin
+    ones, the admin rule (``ctx.admin``), as FastAPI dependencies in that order."""
+    router = APIRouter(prefix="/v2/models/{name}/adaptation",
+                       dependencies=[Depends(ctx.check_name)])
     worker, options = ctx.worker, ctx.options
+    admin_json = Depends(ctx.admin(body="application/json"))
+    admin = Depends(ctx.admin())
+
+    def admin_reset(request: Request) -> None:
+        """Reset takes no body: with a Content-Type it must be JSON (a form post is refused)."""
+        has_body = "content-type" in request.headers
+        admin_check(request, options, body="application/json" if has_body else None)
 
     def answer(m: Policy) -> dict:
         """The statistics after an admin change, and whether its snapshot was written."""
         return {**finite_stats(m.stats()), "snapshot_written": worker.snapshot_now()}
 
     @router.get("/statistics")
-    async def statistics(name: str) -> dict:
-        ctx.check_name(name)
+    async def statistics() -> dict:
         stats = await ctx.on_worker(lambda m: m.stats())
         stats["snapshots_written"] = ctx.snapshots.written if ctx.snapshots else 0
         stats["non_finite_rows"] = ctx.non_finite_rows
@@ -39,12 +48,8 @@ def adaptation_router(ctx: ServerContext) -> APIRouter:
             stats[ctx.extension.name] = ctx.extension.statistics()
         return finite_stats(stats)
 
-    @router.post("/reset")
-    async def reset(name: str, request: Request) -> dict:
-        ctx.check_name(name)
-        has_body = "content-type" in request.headers  # reset takes none; a form post is refused
-        admin_check(request, options, body="application/json" if has_body else None)
-
+    @router.post("/reset", dependencies=[Depends(admin_reset)])
+    async def reset() -> dict:
         def do_reset(m: Policy) -> dict:
             m.reset()
             if ctx.extension is not None:
@@ -53,11 +58,9 @@ def adaptation_router(ctx: ServerContext) -> APIRouter:
 
         return await ctx.on_worker(do_reset)
 
-    @router.post("/freeze")
-    async def freeze(name: str, request: Request) -> dict:
+    @router.post("/freeze", dependencies=[admin_json])
+    async def freeze(request: Request) -> dict:
         """Body ``{"frozen": true|false}``: predict without adapting, or resume."""
-        ctx.check_name(name)
-        admin_check(request, options, body="application/json")
         body = await ctx.read_body(request, FREEZE_BODY_LIMIT)
         try:
             frozen = json.loads(body)["frozen"]
@@ -81,18 +84,14 @@ def adaptation_router(ctx: ServerContext) -> APIRouter:
             )
         return ctx.model
 
-    @router.get("/state")
-    async def get_state(name: str, request: Request) -> Response:
-        ctx.check_name(name)
-        admin_check(request, options)
+    @router.get("/state", dependencies=[admin])
+    async def get_state() -> Response:
         stateful_model()
         data = await ctx.on_worker(lambda m: m.state_bytes())
         return Response(data, media_type="application/octet-stream")
 
-    @router.put("/state")
-    async def put_state(name: str, request: Request) -> Response:
-        ctx.check_name(name)
-        admin_check(request, options)  # PUT: a browser preflights it, never granted
+    @router.put("/state", dependencies=[admin])  # PUT: a browser preflights it, never granted
+    async def put_state(request: Request) -> Response:
         model = stateful_model()
         body = bytes(await ctx.read_body(request))
         try:  # decoded and validated off the worker thread: inference goes on meanwhile

@@ -6,7 +6,7 @@ import asyncio
 import time
 
 import numpy as np
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
@@ -51,16 +51,16 @@ def oip_router(ctx: ServerContext) -> APIRouter:
             "extensions": ["binary_tensor_data", "eva0_adaptation"],
         }
 
-    @router.get("/v2/models/{name}")
-    @router.get("/v2/models/{name}/versions/{version}")
-    async def metadata(name: str, version: str = MODEL_VERSION) -> dict:
-        ctx.check_name(name, version)
+    named = [Depends(ctx.check_name)]
+
+    @router.get("/v2/models/{name}", dependencies=named)
+    @router.get("/v2/models/{name}/versions/{version}", dependencies=named)
+    async def metadata() -> dict:
         return model_metadata(options.name, MODEL_VERSION, model.metadata)
 
-    @router.get("/v2/models/{name}/ready")
-    @router.get("/v2/models/{name}/versions/{version}/ready")
-    async def model_ready(name: str, version: str = MODEL_VERSION) -> Response:
-        ctx.check_name(name, version)
+    @router.get("/v2/models/{name}/ready", dependencies=named)
+    @router.get("/v2/models/{name}/versions/{version}/ready", dependencies=named)
+    async def model_ready() -> Response:
         return Response(status_code=200 if ctx.ready.is_set() else 503)
 
     def prepare(body: bytes | bytearray, header_length: str | None):
@@ -76,6 +76,8 @@ def oip_router(ctx: ServerContext) -> APIRouter:
     @router.post("/v2/models/{name}/infer")
     @router.post("/v2/models/{name}/versions/{version}/infer")
     async def infer(name: str, request: Request, version: str = MODEL_VERSION) -> Response:
+        """Inference; it checks the name inside its own error handling, not as a dependency,
+        so that its metrics count every answer (a 404 included)."""
         start = time.perf_counter()
         status = 200
         announced = False

@@ -7,8 +7,9 @@ import logging
 import uvicorn
 
 from ..policy import Policy
-from .app import ServeOptions, create_app
+from .app import create_app
 from .deadline import header_deadline_protocol
+from .options import ServeOptions
 
 
 def run_server(
