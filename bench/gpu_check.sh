@@ -62,7 +62,7 @@ if want memory; then
 fi
 if want profile; then
   for arch in "${archs[@]}"; do
-    run 60 python3 -m eva0_edge.bench.step_profile --arch "$arch" --method eva0-split \
+    run 60 python3 studies/step-profile/step_profile.py --arch "$arch" --method eva0-split \
       --provider cuda --batch 32 --steps 20 > "$res/profile-$arch.txt"
     head -40 "$res/profile-$arch.txt"
   done

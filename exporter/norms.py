@@ -33,7 +33,7 @@ def group_norm_no_affine(x: torch.Tensor, num_groups: int, eps: float) -> torch.
     ORT CPU runs LayerNormalization as one fused kernel and no ones/zeros affine is left in the
     graph. At ResNet50-GN's four stage shapes (batch 8) it took 0.66-0.92x the time of
     GroupNormalization (opset 18) and was on par with the InstanceNormalization lowering (faster
-    at 2 of 4 shapes): ``python -m eva0_edge.bench.gn_lowering``. x: [N, C, *spatial].
+    at 2 of 4 shapes): ``python studies/gn-lowering/gn_lowering.py``. x: [N, C, *spatial].
     """
     shape = x.shape
     grouped = x.reshape(shape[0], num_groups, -1)

@@ -277,7 +277,9 @@ def test_the_seeds_summary_averages_each_seeds_cost_of_the_budget(tmp_path):
     mean and its standard error over seeds; rows missing from one seed are left out."""
     import json
 
-    from eva0_edge.bench.budget_seeds import main
+    from .studies import load_study
+
+    main = load_study("budget-seeds", "budget_seeds").main
 
     def summary(name: str, budget_avg: float, full_avg: float, extra: bool = False) -> str:
         rows = [{"model": "m", "batch_size": 64, "method": "eva0 budget 1.5",

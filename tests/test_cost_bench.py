@@ -102,7 +102,9 @@ def test_bench_refuses_unknown_method(small_vit, capsys):
 
 
 def test_ort_profile_sums_kernel_time_by_operator(small_resnet_gn, tmp_path):
-    from eva0_edge.bench import ort_profile
+    from .studies import load_study
+
+    ort_profile = load_study("ort-profile", "ort_profile")
 
     ort_profile.main(["--model", str(small_resnet_gn.onnx_path), "--batch", "2", "--steps", "2",
                       "--threads", "1", "--out", str(tmp_path)])

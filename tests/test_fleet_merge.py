@@ -268,9 +268,11 @@ def test_the_shift_window_is_divided_among_replicas_that_share_a_stream():
 
 
 def test_a_fleet_of_one_merging_with_itself_is_one_process():
-    from eva0_edge.bench.fleet_sim import fleet, one_process
-
     from .serving import MODEL
+    from .studies import load_study
+
+    sim = load_study("fleet-sim", "fleet_sim")
+    fleet, one_process = sim.fleet, sim.one_process
 
     rng = np.random.default_rng(0)
     x = rng.uniform(-1.5, 3.0, (40, 3, 32, 32)).astype(np.float32)

@@ -2,13 +2,13 @@
 fault, and how far the fault moves its descriptors (test images; a description of the
 detector, not a tuning run). Run from the repository root:
 
-    python bench/results/hostile/val-return/detection.py
+    python studies/hostile-val-return/detection.py
 """
 
 import numpy as np
 
-from eva0_edge.bench.fashion_mnist import load_fashion_mnist
-from eva0_edge.bench.hostile import hostile_images
+from eva0_edge.bench.testbed.fashion_mnist import load_fashion_mnist
+from eva0_edge.bench.testbed.hostile import hostile_images
 from eva0_edge.runtime.inputwatch import InputChangeDetector, describe
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.preprocess import preprocess_uint8

@@ -6,7 +6,7 @@ does; against one process fed the whole stream and the same replicas without mer
 Deterministic (no timing, no router), so merge rules and windows can be compared over seeds in
 seconds.
 
-    python -m eva0_edge.bench.fleet_sim --model models/resnet_gn_fmnist.onnx --limit 400 \\
+    python studies/fleet-sim/fleet_sim.py --model models/resnet_gn_fmnist.onnx --limit 400 \\
         --replicas 4 --every 0,25 --seeds 1,2 --out out/fleet-sim
 
 Every fleet run divides the model's activation-shift window among the replicas as the served
@@ -24,16 +24,15 @@ from typing import Any
 
 import numpy as np
 
+from eva0_edge.bench.testbed.evaluate import EvalSpec
+from eva0_edge.bench.testbed.machine import environment
+from eva0_edge.bench.testbed.output import machine_line, write_outputs
+from eva0_edge.bench.testbed.streams import continual_stream, per_domain
 from eva0_edge.fleet.serve import shared_stream_load
 from eva0_edge.fleet.state_actor import FleetConfig, FleetState
 from eva0_edge.fleet.sync import FleetSync, InlineWorker, local_actor
 from eva0_edge.runtime.config import parse_key_values
 from eva0_edge.runtime.policy import Policy
-
-from .fleet_stream import continual_stream, per_domain
-from .testbed.evaluate import EvalSpec
-from .testbed.machine import environment
-from .testbed.output import machine_line, write_outputs
 
 
 def one_process(model: str, method: str, config: dict[str, Any], x: np.ndarray, batch: int,

@@ -1,7 +1,7 @@
 """Asynchronous against synchronous serving on the continual stream: served accuracy and the
 forwards per sample the server counted.
 
-    python -m eva0_edge.bench.async_stream --model models/resnet_gn_fmnist.onnx \\
+    python studies/async-stream/async_stream.py --model models/resnet_gn_fmnist.onnx \\
         --limit 300 --budgets full,2 --out out/async-stream
 
 The continual corrupted stream (15 corruptions in a row, severity 5, ``--limit`` test images
@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from .fleet_stream import continual_stream, per_domain, serve_stream
-from .serve_load import ServeProcess
-from .testbed.evaluate import EvalSpec
-from .testbed.machine import environment
-from .testbed.output import machine_line, pyplot, save_figure, write_outputs
+from eva0_edge.bench.serve_load import ServeProcess
+from eva0_edge.bench.testbed.evaluate import EvalSpec
+from eva0_edge.bench.testbed.machine import environment
+from eva0_edge.bench.testbed.output import machine_line, pyplot, save_figure, write_outputs
+from eva0_edge.bench.testbed.streams import continual_stream, per_domain, serve_stream
 
 
 def runs(budgets: list[str]) -> list[tuple[str, str, tuple[str, ...]]]:

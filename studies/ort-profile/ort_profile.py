@@ -1,6 +1,6 @@
 """Where an ORT call's time goes: ONNX Runtime's profiler, summed by operator type.
 
-    python -m eva0_edge.bench.ort_profile --arch resnet50_gn --batch 8 --out out/profile-r50
+    python studies/ort-profile/ort_profile.py --arch resnet50_gn --batch 8 --out out/profile-r50
 
 Profiles a NoAdapt forward (B rows) and an EVA-0 step (one call over 2B rows) on the same model
 and prints, per operator type, the milliseconds per sample of each and their ratio: the ops whose
@@ -17,15 +17,14 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from eva0_edge.bench.testbed.machine import environment
+from eva0_edge.bench.testbed.output import write_outputs
+from eva0_edge.bench.testbed.workload import export_random, random_batch
 from eva0_edge.runtime.cache import cache_dir
 from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.session import AdaptableSession
-
-from .testbed.machine import environment
-from .testbed.output import write_outputs
-from .testbed.workload import export_random, random_batch
 
 
 def op_times(path: str, method: str, batch: int, steps: int, threads: int | None) -> dict:

@@ -7,16 +7,16 @@ called a change and whether they agree, then the largest descriptor difference, 
 difference of a batch's z^2 where it is under twice the threshold, and the least distance of a
 float64 z^2 from the threshold. Run from the repository root:
 
-    python bench/results/inputwatch/agreement.py
+    python studies/inputwatch-float32/agreement.py
 """
 
 from unittest import mock
 
 import numpy as np
 
-from eva0_edge.bench.corruptions import CORRUPTIONS
-from eva0_edge.bench.datasets import TEST_SEED, VALIDATION_SEED, corrupted_fmnist
-from eva0_edge.bench.hostile import HOSTILE, NOISE_SWEEP
+from eva0_edge.bench.testbed.corruptions import CORRUPTIONS
+from eva0_edge.bench.testbed.datasets import TEST_SEED, VALIDATION_SEED, corrupted_fmnist
+from eva0_edge.bench.testbed.hostile import HOSTILE, NOISE_SWEEP
 from eva0_edge.runtime import inputwatch
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.preprocess import preprocess_uint8

@@ -3,7 +3,7 @@ product) against every batch as it comes (``serve_step`` replaced by the control
 ``_step``), beside NoAdapt and noadapt-shift: median us per image, 8 interleaved rounds of 1000
 Gaussian-noise severity-5 test images, no HTTP.
 
-    python bench/results/serve-async/blocks/worker_ab.py
+    python studies/serve-blocks/worker_ab.py
 """
 
 import os

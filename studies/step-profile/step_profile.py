@@ -1,6 +1,6 @@
 """Where one adaptation step's host time goes: Python's profiler over timed steps.
 
-    python -m eva0_edge.bench.step_profile --arch resnet50_gn --method eva0-split \
+    python studies/step-profile/step_profile.py --arch resnet50_gn --method eva0-split \
         --provider cuda --batch 32 --steps 20
 
 Runs ``--steps`` steps of a cost method (``eva0``, ``eva0-split``, ``zoa``, ...; see
@@ -18,10 +18,9 @@ import io
 import pstats
 import time
 
+from eva0_edge.bench.cost import make_step
+from eva0_edge.bench.testbed.workload import export_random
 from eva0_edge.runtime.cache import cache_dir
-
-from .cost import make_step
-from .testbed.workload import export_random
 
 
 def profile_steps(

@@ -7,7 +7,7 @@ Runtime interleaved, and reports medians:
 * ``instancenorm``: reshape to [N, G, -1, 1] + ``F.instance_norm`` (the pre-opset-18 pattern);
 * ``layernorm``: reshape to [N, G, -1] + ``F.layer_norm`` over the last dim (our lowering).
 
-    python -m eva0_edge.bench.gn_lowering --out out/gn
+    python studies/gn-lowering/gn_lowering.py --out out/gn
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eva0_edge.bench.testbed.output import pyplot, save_figure, write_outputs
 from eva0_edge.runtime.session import session_options
-
-from .testbed.output import pyplot, save_figure, write_outputs
 
 SHAPES = [(256, 56, 56), (512, 28, 28), (1024, 14, 14), (2048, 7, 7)]
 GROUPS = 32

@@ -4,7 +4,7 @@ adaptation (``--combine``: the merge rules to compare) and without (``--sync-eve
 against NoAdapt and one process fed the same stream at batch ``--batch`` (``eva0-edge eval
 --protocol continual``).
 
-    python -m eva0_edge.bench.fleet_stream --model models/resnet_gn_fmnist.onnx \\
+    python studies/fleet-stream/fleet_stream.py --model models/resnet_gn_fmnist.onnx \\
         --replicas 4 --limit 300 --out out/fleet-stream
 
 ``--clients`` concurrent clients take the stream's images in order (each sends the next
@@ -16,67 +16,17 @@ them; served accuracy is counted per domain. Output: a table, ``fleet_stream.jso
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tritonclient.http as httpclient
 
-from eva0_edge.runtime.modelfile import read_metadata
-
-from .serve_load import ServeProcess
-from .testbed.evaluate import EvalSpec, evaluate, load_domains
-from .testbed.machine import environment
-from .testbed.output import machine_line, pyplot, save_figure, write_outputs
-from .testbed.protocols import stream_order
-
-
-def continual_stream(spec: EvalSpec) -> tuple[list[str], np.ndarray, np.ndarray]:
-    """(domain names, images [N, C, H, W] preprocessed, labels [N]) in continual order."""
-    pre = read_metadata(spec.model).preprocessing
-    names, xs, ys = [], [], []
-    for domain in load_domains(spec, progress=False):
-        ordered = domain.subset(stream_order(domain, "continual", spec.seed))
-        for x, y in ordered.batches(256, pre):
-            xs.append(x)
-            ys.append(y)
-            names.extend([domain.name] * len(y))
-    return names, np.concatenate(xs), np.concatenate(ys)
-
-
-def serve_stream(url: str, name: str, x: np.ndarray, clients: int) -> np.ndarray:
-    """Predicted class per image, one image per request, ``clients`` in flight."""
-    order = itertools.count()
-    lock = threading.Lock()
-    predicted = np.full(len(x), -1)
-
-    def client_loop(_: int) -> None:
-        client = httpclient.InferenceServerClient(url)
-        try:
-            while True:
-                with lock:
-                    i = next(order)
-                if i >= len(x):
-                    return
-                tensor = httpclient.InferInput("pixel_values", [1, *x.shape[1:]], "FP32")
-                tensor.set_data_from_numpy(x[i : i + 1])
-                predicted[i] = client.infer(name, [tensor]).as_numpy("logits").argmax()
-        finally:
-            client.close()
-
-    with ThreadPoolExecutor(clients) as pool:
-        list(pool.map(client_loop, range(clients)))
-    return predicted
-
-
-def per_domain(names: list[str], correct: np.ndarray) -> dict[str, float]:
-    domains = list(dict.fromkeys(names))
-    labels = np.array(names)
-    return {d: 100.0 * float(correct[labels == d].mean()) for d in domains}
+from eva0_edge.bench.serve_load import ServeProcess
+from eva0_edge.bench.testbed.evaluate import EvalSpec, evaluate
+from eva0_edge.bench.testbed.machine import environment
+from eva0_edge.bench.testbed.output import machine_line, pyplot, save_figure, write_outputs
+from eva0_edge.bench.testbed.streams import continual_stream, per_domain, serve_stream
 
 
 def run(model: str, replicas: int, limit: int, batch: int, clients: int, sync_every_s: float,

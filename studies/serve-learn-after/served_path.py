@@ -4,7 +4,7 @@ images one at a time (after 500 untimed), each part's mean microseconds per imag
 wrapping it in place (so the numbers are what the part costs between ORT calls, caches as they
 are there).
 
-    python bench/results/serve-async/learn-after/served_path.py
+    python studies/serve-learn-after/served_path.py
 """
 
 import functools

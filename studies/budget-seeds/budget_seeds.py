@@ -3,7 +3,7 @@ that a set of ``budget.json`` summaries (one ``make budget BUDGET_SEED=S`` each)
 full-cost reference, the difference ``budget - reference`` (accuracy points) in each, their
 mean and the standard error of that mean (sample standard deviation / sqrt(seeds)).
 
-    python -m eva0_edge.bench.budget_seeds seed0=bench/results/budget/budget.json \
+    python studies/budget-seeds/budget_seeds.py seed0=bench/results/budget/budget.json \
         bench/results/budget-seeds/seed*/budget.json --out bench/results/budget-seeds
 
 A summary's column is named by ``NAME=`` before its path, or else by its folder (``seed1``).
@@ -23,7 +23,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .testbed.output import write_outputs
+from eva0_edge.bench.testbed.output import write_outputs
 
 
 def differences(summaries: dict[str, list[dict[str, Any]]], reference: str = "eva0",
