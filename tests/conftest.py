@@ -1,11 +1,34 @@
-"""Shared fixtures: small exported models (built once per test session)."""
+"""Shared fixtures: small exported models (built once per test session), and a cache of the
+session's own."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+_SESSION_CACHE = pytest.StashKey["Path | None"]()
+
+
+def pytest_configure(config) -> None:
+    """What the tests generate (corrupted splits, prompt variants, split sessions, heads) goes
+    to a cache of this test session's own, removed at its end, never the user's
+    (``$EVA0_CACHE``, ``~/.cache/eva0-edge``); ``EVA0_TEST_CACHE`` names a folder to keep and
+    reuse instead. Server processes the tests start inherit it."""
+    kept = os.environ.get("EVA0_TEST_CACHE")
+    cache = Path(kept) if kept else Path(tempfile.mkdtemp(prefix="eva0-test-cache-"))
+    config.stash[_SESSION_CACHE] = None if kept else cache
+    os.environ["EVA0_CACHE"] = str(cache)
+
+
+def pytest_unconfigure(config) -> None:
+    cache = config.stash.get(_SESSION_CACHE, None)
+    if cache is not None:
+        shutil.rmtree(cache, ignore_errors=True)
 
 SMALL_VIT = (
     "vit_tiny_patch16_224",
