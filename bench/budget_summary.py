@@ -4,7 +4,7 @@ reports ``<reports>/<model>-<label>/results.json`` (label ``full``: the methods 
 cost; a number: EVA-0 at that ``--budget``).
 
     python -m eva0_edge.bench.budget_summary out/budget
-    python -m eva0_edge.bench.budget_summary out/budget-vit --keep bench/results/budget/budget.json
+    python -m eva0_edge.bench.budget_summary out/budget-vit --keep results/budget/budget.json
 
 ``--keep`` reruns part of a table: the rows of an earlier summary's ``budget.json`` stay unless
 the new reports have a row of the same model, method and batch size.

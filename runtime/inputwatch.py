@@ -54,7 +54,7 @@ def describe(x: np.ndarray) -> np.ndarray:
     from the rows of stride ``ceil(min(H, W) / GRID)`` (see the module's docstring). The sums
     run in float32 (the means pairwise, the sums of squares as dot products): on the
     Fashion-MNIST streams within 1.2e-5 of float64 sums, the same changes called
-    (``bench/results/inputwatch/``), at a third of the time from batch 16 up."""
+    (``results/inputwatch/``), at a third of the time from batch 16 up."""
     x = np.asarray(x, dtype=np.float32)
     batch, _, height, width = x.shape
     stride = max(1, -(-min(height, width) // GRID))

@@ -9,7 +9,7 @@ import pytest
 
 from eva0_edge.bench.gpu_summary import cost_rows, main, memory_rows
 
-RUN = Path(__file__).resolve().parents[1] / "bench" / "results" / "h100-2026-11-28" / "final"
+RUN = Path(__file__).resolve().parents[1] / "results" / "h100-2026-11-28" / "final"
 
 
 def _row(method: str, batch: int, ms: float, ratio: float, **extra) -> dict:

@@ -3,8 +3,8 @@ that a set of ``budget.json`` summaries (one ``make budget BUDGET_SEED=S`` each)
 full-cost reference, the difference ``budget - reference`` (accuracy points) in each, their
 mean and the standard error of that mean (sample standard deviation / sqrt(seeds)).
 
-    python studies/budget-seeds/budget_seeds.py seed0=bench/results/budget/budget.json \
-        bench/results/budget-seeds/seed*/budget.json --out bench/results/budget-seeds
+    python studies/budget-seeds/budget_seeds.py seed0=results/budget/budget.json \
+        results/budget-seeds/seed*/budget.json --out results/budget-seeds
 
 A summary's column is named by ``NAME=`` before its path, or else by its folder (``seed1``).
 
