@@ -156,8 +156,8 @@ layers: setup data
 	done
 	for s in $(SHIPPED_LAYER_SETS); do \
 		arch=$${s%%:*}; a=$${s#*:}; \
-		$(PY) models/layer_sets.py --arch $$arch --adapt $$a --out out/layers; \
-		$(PY) models/tune.py --model out/layers/$$arch-$$a.onnx --method eva0 --write; \
+		$(PY) models/recipes/layer_sets.py --arch $$arch --adapt $$a --out out/layers; \
+		$(PY) models/recipes/tune.py --model out/layers/$$arch-$$a.onnx --method eva0 --write; \
 	done
 	for f in $(foreach s,$(SHIPPED_LAYER_SETS),out/layers/$(subst :,-,$(s)).onnx); do \
 		for p in continual single; do \
@@ -178,7 +178,7 @@ quant: setup data
 	$(PY) -m eva0_edge.bench.quant_eval speed --arch vit_base_patch16_224 \
 		--batch-sizes 1,8,32 --repeats 5 --warmup 1 --out out/quant/speed-vitb
 
-# Tune every table method on the validation split, the same budget each (models/tune.py): the
+# Tune every table method on the validation split, the same budget each (models/recipes/tune.py): the
 # runtime methods on eva0's eta grid (0.5..16 x the pre-tuning value), the torch baselines on
 # 0.5..16 x the paper's lr; the best past a grid edge is followed twice. Then the guard bounds.
 ENGINE_METHODS := eva0 eva0-dagger zoa spsa2-shared
@@ -190,11 +190,11 @@ LIMIT_resnet_gn_fmnist := 500
 tune: tune-vit_fmnist tune-resnet_gn_fmnist
 tune-%: setup data
 	for method in $(ENGINE_METHODS); do \
-		$(PY) models/tune.py --model models/$*.onnx --method $$method --grid eta=$(ETAS_$*) \
+		$(PY) models/recipes/tune.py --model models/$*.onnx --method $$method --grid eta=$(ETAS_$*) \
 			--limit $(LIMIT_$*) --clean-limit 1000 --write; \
 	done
 	for method in $(TORCH_METHODS); do \
-		$(PY) models/tune.py --model models/$*.onnx --method $$method --limit $(LIMIT_$*) \
+		$(PY) models/recipes/tune.py --model models/$*.onnx --method $$method --limit $(LIMIT_$*) \
 			--clean-limit 1000 --write; \
 	done
-	$(PY) models/guard_bounds.py --model models/$*.onnx --write
+	$(PY) models/recipes/guard_bounds.py --model models/$*.onnx --write

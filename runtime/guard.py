@@ -50,8 +50,8 @@ When theta0 fails on the new stream too (a hold), the engine goes back to the la
 checkpoint: the current theta's last steps were taken on that stream.
 
 Bounds come from the model file's recommended values (learnt on the validation split by
-``models/guard_bounds.py``; the audit interval by ``models/guard_audit.py``) or the generic
-defaults of ``AdaptConfig.guard_*``.
+``models/recipes/guard_bounds.py``; the audit interval by ``models/recipes/guard_audit.py``) or
+the generic defaults of ``AdaptConfig.guard_*``.
 """
 
 from __future__ import annotations

@@ -67,8 +67,8 @@ class ModelMetadata:
     weights are frozen in the graph and theta0 holds no weights (it is the initial prompt).
 
     ``recommended``: hyper-parameters for every method (AdaptConfig keys). ``tuned``: per method,
-    the values its tuning on the validation split chose (``models/tune.py``), applied after the
-    method's own settings: AdaptConfig keys for the runtime methods, ``lr`` for the torch
+    the values its tuning on the validation split chose (``models/recipes/tune.py``), applied
+    after the method's own settings: AdaptConfig keys for the runtime methods, ``lr`` for the torch
     baselines (format 3; absent in older files).
     """
 

@@ -17,7 +17,7 @@ from every corruption the bound was learnt on: black frames, white frames, noise
 restarts empty and nothing is shifted, so such a stream leaves nothing behind for the images
 that follow it. With a bound, a window is checked and served only once it holds
 ``BOUND_SAMPLES`` (64) samples' weight: one image is far from any mean. The shipped files learn
-the bound on the validation corruptions (``models/shift_bound.py``).
+the bound on the validation corruptions (``models/recipes/shift_bound.py``).
 """
 
 from __future__ import annotations

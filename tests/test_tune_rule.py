@@ -1,25 +1,19 @@
-"""models/tune.py's choice under a compute budget: a configuration that spends its budget (and
-the full bucket it starts with) stays eligible; one that spends more does not."""
+"""The tuning rule's choice (eva0_edge.bench.testbed.tuning, which models/recipes/tune.py runs)
+under a compute budget: a configuration that spends its budget (and the full bucket it starts
+with) stays eligible; one that spends more does not."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
+from eva0_edge.bench.testbed import tuning
 from eva0_edge.bench.testbed.protocols import StreamResult
 from eva0_edge.runtime.budget import forwards_bound
-
-RECIPE = Path(__file__).resolve().parents[1] / "models" / "tune.py"
 
 
 @pytest.fixture(scope="module")
 def tune():
-    spec = importlib.util.spec_from_file_location("tune_recipe", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return tuning
 
 
 def continual(batch: int, samples: int, burst: int | None) -> StreamResult:

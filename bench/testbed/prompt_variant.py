@@ -1,9 +1,10 @@
 """The black-box prompt variant of a shipped testbed model, for the prompt methods (``foa``,
 ``foa-dagger``, ``eva0-clubs``): the same torch source weights exported with T prompt tokens
 (``eva0-edge export --prompts T``), its source statistics taken from the same clean training
-images as the shipped file's, its recommended values the best of ``models/<arch>_prompt.tune*.json``
-(``models/tune.py --method eva0-clubs``, validation split), and FOA's tuned values those of the
-shipped file (``models/tune.py --method foa``). Generated once into the cache."""
+images as the shipped file's, its recommended values the best of
+``models/<arch>_prompt.tune*.json`` (``models/recipes/tune.py --method eva0-clubs``, validation
+split), and FOA's tuned values those of the shipped file (``models/recipes/tune.py --method
+foa``). Generated once into the cache."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Recipe: train a small source model on clean Fashion-MNIST (32x32 RGB) on the CPU, export it
 as an adaptable ONNX model with source feature statistics, and log what happened.
 
-    python models/train.py --arch vit_fmnist --epochs 11 --no-flip --compile --seed 0
-    python models/train.py --arch resnet_gn_fmnist --epochs 6 --seed 0
+    python models/recipes/train.py --arch vit_fmnist --epochs 11 --no-flip --compile --seed 0
+    python models/recipes/train.py --arch resnet_gn_fmnist --epochs 6 --seed 0
 
 Training uses the train split minus the 5000 held-out validation images
 (``bench.testbed.fashion_mnist.train_val_indices``); the test split is only used for the final clean
@@ -36,7 +36,7 @@ from eva0_edge.runtime.cache import cache_dir
 from eva0_edge.runtime.calibrate import calibrate_with_images
 from eva0_edge.runtime.metadata import Preprocessing
 
-MODELS_DIR = Path(__file__).resolve().parent
+MODELS_DIR = Path(__file__).resolve().parents[1]
 
 
 def to_tensor(images: np.ndarray, mean: float, std: float) -> torch.Tensor:

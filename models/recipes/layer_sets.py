@@ -1,14 +1,14 @@
 """Recipe: a shipped model re-exported adapting fewer stages or blocks, for the accuracy half
 of "where to adapt" (the cost half is ``make layers`` on ResNet50-GN and ViT-B).
 
-    python models/layer_sets.py --adapt 4 --adapt 3-4 --out out/layers
-    python models/layer_sets.py --arch vit_fmnist --adapt 5-7 --adapt 4-7 --out out/layers
+    python models/recipes/layer_sets.py --adapt 4 --adapt 3-4 --out out/layers
+    python models/recipes/layer_sets.py --arch vit_fmnist --adapt 5-7 --adapt 4-7 --out out/layers
 
 For each ``--adapt`` set: the shipped weights (``models/<arch>.pth``) exported with that set,
 calibrated on the same training images with the same seed as the shipped file, and given the
 shipped file's recommended and tuned values (guard bounds, shift bound, rates), so the file
 differs from the shipped one in what it adapts only. Tune its rates by the rule with
-``python models/tune.py --model out/layers/<arch>-<set>.onnx --method eva0 --write`` before
+``python models/recipes/tune.py --model out/layers/<arch>-<set>.onnx --method eva0 --write`` before
 comparing it with the shipped file's own set re-exported and tuned the same way (the ResNet-GN
 ships adapting stages 1-3 of 1-4, the ViT blocks 1-6 of 0-7: the exporter's defaults).
 """
@@ -33,7 +33,7 @@ from eva0_edge.runtime.calibrate import calibrate_with_images
 from eva0_edge.runtime.metadata import Preprocessing
 from eva0_edge.runtime.modelfile import load_onnx, read_metadata, save_onnx, set_metadata
 
-MODELS_DIR = Path(__file__).resolve().parent
+MODELS_DIR = Path(__file__).resolve().parents[1]
 
 
 def export_layer_set(arch: str, adapt: str, out_dir: Path) -> Path:

@@ -2,9 +2,10 @@
 images, corrupted with the validation seed; never the test split), the way the product is used:
 at several batch sizes, in the single and the continual protocol, and on clean images.
 
-    python models/tune.py --model models/vit_fmnist.onnx --method eva0 --write
-    python models/tune.py --model models/vit_fmnist.onnx --method tent --write
-    python models/tune.py --model models/vit_fmnist.onnx --method eva0 --grid eta=0.002,0.004
+    python models/recipes/tune.py --model models/vit_fmnist.onnx --method eva0 --write
+    python models/recipes/tune.py --model models/vit_fmnist.onnx --method tent --write
+    python models/recipes/tune.py --model models/vit_fmnist.onnx --method eva0 \
+        --grid eta=0.002,0.004
 
 Every configuration runs on the same images: severity 5, ``--limit`` images per corruption,
 batch sizes ``--batch-sizes`` (default 1,4,16,64), both protocols; plus ``--clean-limit`` clean
@@ -30,9 +31,10 @@ samples the bucket serves (``runtime.budget.forwards_bound``; a strict F marked 
 budget ineligible: 1.5008 at F = 1.5 over 15000 samples). The compute budget's bucket
 (``budget_burst``) was tuned this way, at the budget it serves:
 
-    python models/tune.py --model models/vit_fmnist.onnx --method eva0 --protocols continual \
-        --set budget=1.5 --grid budget_burst=512,1024,2048 --limit 1000 --clean-limit 1000 \
-        --batch-sizes 1,16,64 --max-forwards 1.5 --log models/vit_fmnist.tune-eva0-burst-1.5.json
+    python models/recipes/tune.py --model models/vit_fmnist.onnx --method eva0 \
+        --protocols continual --set budget=1.5 --grid budget_burst=512,1024,2048 --limit 1000 \
+        --clean-limit 1000 --batch-sizes 1,16,64 --max-forwards 1.5 \
+        --log models/vit_fmnist.tune-eva0-burst-1.5.json
 
 ``--method foa`` runs on the model's prompt variant (``bench.testbed.prompt_variant``) by the
 same rule; its default grid is ``lambda_fit`` (the fitness's feature-statistics weight) at the
@@ -47,7 +49,6 @@ variant carries.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import time
@@ -57,8 +58,7 @@ from typing import Any
 from eva0_edge.bench.testbed.backprop import PAPER_LR
 from eva0_edge.bench.testbed.evaluate import BACKPROP, EvalSpec, evaluate
 from eva0_edge.bench.testbed.prompt_variant import tune_log_path
-from eva0_edge.bench.testbed.protocols import StreamResult
-from eva0_edge.runtime.budget import forwards_bound
+from eva0_edge.bench.testbed.tuning import beyond_edge, choose, parse_grid, spending_bound
 from eva0_edge.runtime.config import AdaptConfig, parse_key_values
 from eva0_edge.runtime.foa import FOA_METHODS, FOAConfig
 from eva0_edge.runtime.methods import is_prompt_method
@@ -85,19 +85,6 @@ def default_grid(model: str, method: str) -> list[dict[str, float]]:
     """The step size at :data:`SCALES` times its current value."""
     (key, value), = current_values(model, method).items()
     return [{key: float(f"{value * s:.6g}")} for s in SCALES]
-
-
-def parse_grid(items: list[str]) -> list[dict[str, Any]]:
-    """``["eta=0.001,0.002", "lambda_swa=0,50"]`` -> the product of the listed values."""
-    axes = []
-    for item in items:
-        key, sep, values = item.partition("=")
-        if not sep:
-            raise ValueError(f"bad --grid {item!r}: use KEY=V1,V2,...")
-        key = key.strip()  # values as --set reads them: "256" an int, "0.002" a float
-        axes.append([(key, parse_key_values([f"{key}={v.strip()}"])[key])
-                     for v in values.split(",")])
-    return [dict(combo) for combo in itertools.product(*axes)]
 
 
 def score(
@@ -128,17 +115,6 @@ def score(
     return cells, forwards, bounds
 
 
-def spending_bound(budget: float, protocol: str, result: StreamResult) -> float:
-    """The forwards per sample a budget of ``budget`` may spend on ``result``'s stream: its own
-    bucket's start and one batch over the samples between resets (the whole continual stream,
-    one domain of the single protocol); ``budget`` itself when the run had no budget."""
-    spent = result.final_stats.get("budget")
-    if spent is None:
-        return budget
-    runs = 1 if protocol == "continual" else len(result.accuracy)
-    return forwards_bound(budget, spent["burst"], sum(result.batch_size) // runs, result.batch)
-
-
 def noadapt_reference(args: argparse.Namespace) -> dict[str, float]:
     """NoAdapt on the same images (it does not depend on the batch size)."""
     args_64 = argparse.Namespace(**{**vars(args), "batch_sizes": [64], "fixed": {}})
@@ -147,46 +123,6 @@ def noadapt_reference(args: argparse.Namespace) -> dict[str, float]:
         f"{kind} B={b}": cells[f"{kind} B=64"]
         for kind in (*args.protocols, "clean") for b in args.batch_sizes
     }
-
-
-def choose(
-    rows: list[dict], reference: dict[str, float], margin: float,
-    max_forwards: float | None = None,
-) -> dict:
-    """The rule of the module docstring; marks each row ``eligible``, ``mean_corrupted``,
-    ``worst_corrupted`` and ``worst_gain``. With ``max_forwards`` a row is eligible only when
-    every corrupted cell's measured forwards per sample stays within the row's
-    ``forwards_bound`` for the cell (:func:`spending_bound`; ``max_forwards`` where a log has
-    none)."""
-    for row in rows:
-        cells = row["cells"]
-        gains = {k: cells[k] - reference[k] for k in cells}
-        corrupted = [v for k, v in cells.items() if not k.startswith("clean")]
-        row["mean_corrupted"] = sum(corrupted) / len(corrupted)
-        row["worst_corrupted"] = min(corrupted)
-        row["worst_gain"] = min(gains.values())
-        bounds = row.get("forwards_bound", {})
-        row["eligible"] = all(gains[k] >= -margin for k in gains if k.startswith("clean")) and (
-            max_forwards is None or all(f <= bounds.get(k, max_forwards)
-                                        for k, f in row["forwards"].items()))
-    eligible = [r for r in rows if r["eligible"]]
-    if eligible:
-        return max(eligible, key=lambda r: (r["worst_corrupted"], r["mean_corrupted"]))
-    return max(rows, key=lambda r: r["worst_gain"])
-
-
-def beyond_edge(best: dict[str, float], tried: list[dict[str, float]]) -> dict | None:
-    """For a one-axis grid whose best value is its smallest or largest: that value halved or
-    doubled (the next point past the edge; an integer stays one); None otherwise."""
-    if len(best) != 1:
-        return None
-    (key, value), = best.items()
-    values = sorted(c[key] for c in tried)
-    if value not in (values[0], values[-1]):
-        return None
-    if isinstance(value, int):
-        return {key: max(1, value // 2) if value == values[0] else value * 2}
-    return {key: float(f"{value / 2 if value == values[0] else value * 2:.6g}")}
 
 
 def write_choice(model_path: str, method: str, values: dict[str, Any]) -> None:

@@ -1,6 +1,6 @@
 """Recipe: learn the health guard's bounds for a shipped model on the *validation* split.
 
-    python models/guard_bounds.py --model models/resnet_gn_fmnist.onnx --write
+    python models/recipes/guard_bounds.py --model models/resnet_gn_fmnist.onnx --write
 
 Runs EVA-0 (the file's recommended values, guard watching but never tripping) over the
 validation streams a healthy device sees: clean images and the 15-corruption continual stream

@@ -1,7 +1,7 @@
 """Recipe: learn the activation shift's bound ``shift_max`` for a shipped model on the
 *validation* split.
 
-    python models/shift_bound.py --model models/resnet_gn_fmnist.onnx --write
+    python models/recipes/shift_bound.py --model models/resnet_gn_fmnist.onnx --write
 
 For each validation domain (the 15 corruptions at severity 5 and the clean images, ``--limit``
 images each) the distance ||m_source - m_domain|| between the source's mean head input and the

@@ -1,7 +1,7 @@
 """Recipe: choose how often the health guard audits the adapted theta against theta0, on the
 *validation* split.
 
-    python models/guard_audit.py --model models/vit_fmnist.onnx --write
+    python models/recipes/guard_audit.py --model models/vit_fmnist.onnx --write
 
 Runs EVA-0 (the file's recommended values, guard on) over the 15-corruption continual stream
 followed by the clean images (severity 5, ``--limit`` validation images per domain, repeated
