@@ -21,8 +21,8 @@ previous report, or the fleet state it last applied). A merge of the fleet state
 
 The activation-shift windows are never merged: each replica keeps its own (its recent inputs and
 its restarts on a change of stream). Merged, a replica that had just restarted on a new domain
-got the other replicas' windows of the old one back (``bench.fleet_sim``, ResNet-GN, continual
-stream, 4 replicas merged every 25 images, two seeds: 0.6 points below keeping them).
+got the other replicas' windows of the old one back (``studies/fleet-sim/``, ResNet-GN,
+continual stream, 4 replicas merged every 25 images, two seeds: 0.6 points below keeping them).
 
 A replica that applies G keeps its progress since its report (:func:`apply_merged`) and
 accounts from G on, so no progress is lost or counted twice. With no step between a report and

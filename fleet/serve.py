@@ -127,8 +127,8 @@ def shared_stream_load(load: dict[str, Any], probe: Policy,
     """``load`` with the activation-shift window divided among the replicas. The ingress
     spreads one stream over them, so a replica sees every N-th image: a window of W/N of its
     own samples spans the stream time of one process's W, and reacts as fast to a change of
-    domain (``bench.fleet_sim``, ResNet-GN, continual stream at 400 images per corruption, 4
-    replicas, two seeds: +0.6 points against the undivided window, merged or not). A window
+    domain (``studies/fleet-sim/``, ResNet-GN, continual stream at 400 images per corruption,
+    4 replicas, two seeds: +0.6 points against the undivided window, merged or not). A window
     set in ``load``'s config is taken as the replica's own and kept."""
     config = dict(load.get("config") or {})
     if "shift_window" in config or not probe.config.activation_shift:

@@ -33,7 +33,7 @@ F = 1.5) measured worse on the validation split, continual, 1000 images per corr
 a duel's samples earned their credit): the ResNet-GN at B = 64 -0.33 from full cost against
 -0.23 (five seeds, standard error 0.09), the ViT -0.42 and -0.36 at B = 16 and 64; keeping part
 of the bucket for the next change measured worse on both models once they did
-(``bench/results/budget-schedule/``): dense steps on one stream pay more than the same steps
+(``results/budget-schedule/``): dense steps on one stream pay more than the same steps
 spread over two.
 
 F = forwards adapts on every batch (the method as it is, bit for bit); F = 1 never adapts: the

@@ -343,7 +343,7 @@ class Policy:
         are per sample, so they end where one-at-a-time learning would leave them, a change
         is called at the block's end). One image then pays the detector's and the window's
         NumPy once per block (in place: 116 of its 912 us,
-        ``bench/results/serve-async/learn-after/served_path.txt``). Larger batches are served
+        ``results/serve-async/learn-after/served_path.txt``). Larger batches are served
         and learnt from as :meth:`step` does."""
         m = self._engine()
         if not self._adapting() or (not self._waiting and x.shape[0] >= LEARN_BLOCK):
