@@ -44,7 +44,8 @@ demo: setup data
 test: setup data
 	$(PY) -m pytest -q -ra
 
-# The unit tier: no timm export, no server process, no dataset (tests/conftest.py marks the rest).
+# The unit and component tiers (tests/unit, tests/component): no timm export, no server process,
+# no dataset.
 test-fast: setup
 	$(PY) -m pytest -q -ra -m "not slow and not integration"
 

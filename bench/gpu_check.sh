@@ -6,7 +6,7 @@
 # after every part, so a run cut short still returns what it finished; log.txt holds the log,
 # which also goes to stdout).
 # Parts (all by default, in this order, each under its own time limit):
-#   tests    tests/test_cuda.py (CUDA agrees with the CPU on the shipped models)
+#   tests    tests/integration/test_cuda.py (CUDA agrees with the CPU on the shipped models)
 #   costs    bench on CUDA, ResNet50-GN and ViT-B, batch 1/8/32, 20 interleaved repetitions
 #   memory   GPU memory (NVML, each method in its own process) at batch 32
 #   profile  cProfile of 20 default-mode EVA-0 steps at batch 32 (the host part of the step)
@@ -43,7 +43,7 @@ python3 -c "import onnxruntime as o; print(o.__version__, o.__file__, o.get_avai
   | tee "$res/ort.txt"
 { nproc; uptime; } | tee "$res/machine.txt"
 
-want tests && run 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
+want tests && run 120 python3 -m pytest -q -p no:cacheprovider tests/integration/test_cuda.py
 # an export started beside this run (holding the lock) finishes first
 mkdir -p "${EVA0_CACHE:-/tmp}" && flock "${EVA0_CACHE:-/tmp}/export.lock" true
 if want costs; then

@@ -6,8 +6,9 @@ interface whatever the instance's address: HAProxy's Prometheus and stats fronte
 :port`` in its config template) and each replica's inter-deployment gRPC server (``[::]:0``),
 with no setting for either. :func:`keep_on_loopback` is installed as the instance's worker setup
 hook (Ray's ``worker_process_setup_hook``, run in every worker process before it serves) and
-rewrites those binds to 127.0.0.1. It touches Serve internals: ``tests/test_fleet.py`` lists
-every listening socket of a running fleet, so a Ray release that moves them fails there.
+rewrites those binds to 127.0.0.1. It touches Serve internals:
+``tests/integration/test_fleet.py`` lists every listening socket of a running fleet, so a Ray
+release that moves them fails there.
 """
 
 from __future__ import annotations

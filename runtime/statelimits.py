@@ -23,7 +23,7 @@ what adaptation itself could have produced on this model:
   statistics.
 
 Every bound is many times what the shipped models reach on the severity-5 streams
-(``tests/test_state_validation.py`` walks adapted states through them).
+(``tests/component/test_state_validation.py`` walks adapted states through them).
 """
 
 from __future__ import annotations

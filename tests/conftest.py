@@ -1,15 +1,17 @@
-"""Shared fixtures: small exported models (built once per test session), and a cache of the
-session's own."""
+"""The test session: its tiers (by folder), a cache of its own, the data set out of reach below
+the integration tier, and the small exported models (built once per session). Paths, servers and
+data helpers: :mod:`tests.fixtures`."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.fixtures import SMALL_RESNET_GN, SMALL_VIT, ExportedModel, export_small
 
 _SESSION_CACHE = pytest.StashKey["Path | None"]()
 
@@ -29,46 +31,6 @@ def pytest_unconfigure(config) -> None:
     cache = config.stash.get(_SESSION_CACHE, None)
     if cache is not None:
         shutil.rmtree(cache, ignore_errors=True)
-
-SMALL_VIT = (
-    "vit_tiny_patch16_224",
-    {"img_size": 32, "patch_size": 4, "embed_dim": 64, "depth": 6, "num_heads": 2,
-     "num_classes": 10},
-)
-SMALL_RESNET_GN = (
-    "resnet18",
-    {"norm_layer": "groupnorm", "layers": [1, 1, 1, 1], "num_classes": 10},
-)
-
-
-@dataclass
-class ExportedModel:
-    """An exported adaptable model and the checkpoint it came from."""
-
-    arch: str
-    kwargs: dict
-    checkpoint: Path
-    onnx_path: Path
-    input_size: tuple[int, int, int]
-
-
-def export_small(tmp_dir: Path, arch: str, kwargs: dict, seed: int = 0, **export_kw):
-    import timm
-    import torch
-
-    from eva0_edge.exporter import export_model
-
-    torch.manual_seed(seed)
-    model = timm.create_model(arch, **kwargs).eval()
-    checkpoint = tmp_dir / f"{arch}.pth"
-    torch.save(model.state_dict(), checkpoint)
-    onnx_path = tmp_dir / f"{arch}.onnx"
-    metadata = export_model(
-        arch, onnx_path, checkpoint=checkpoint, model_kwargs=kwargs,
-        input_size=(3, 32, 32), **export_kw,
-    )
-    return ExportedModel(arch, kwargs, checkpoint, onnx_path, metadata.preprocessing.input_size)
-
 
 @pytest.fixture(scope="session")
 def small_vit(tmp_path_factory) -> ExportedModel:
@@ -120,30 +82,23 @@ def calibrated_vit(small_vit, tmp_path_factory):
     return out / "calibrated.onnx"
 
 
-def uniform_batch(n: int, seed: int = 0, size=(3, 32, 32)):
-    """Normalised pixels as a [0, 1] image normalised with mean = std = 0.5 gives: [-1, 1]."""
-    import numpy as np
-
-    return np.random.default_rng(seed).uniform(-1, 1, (n, *size)).astype(np.float32)
-
-
-# Fixtures and modules that make a test an integration test: timm exports, real server
-# processes, the Fashion-MNIST split and the benchmarks. `make test-fast` leaves them out.
-INTEGRATION_FIXTURES = {
-    "small_vit", "small_resnet_gn", "prompt_vit", "wide_prompt_vit", "small_model",
-    "calibrated_vit", "server", "fmnist_clean", "fmnist_vit_images",
-}
-INTEGRATION_MODULES = {
-    "tests.test_serve", "tests.test_hostile", "tests.test_testbed", "tests.test_cost_bench",
-    "tests.test_export",
-    "tests.test_fleet", "tests.test_fanout",
-    "tests.test_cuda",
-    "tests.test_guard", "tests.test_inputwatch",  # Fashion-MNIST streams throughout
-}
+TIERS = ("unit", "component", "integration")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
+    """A test's tier is its folder: tests/unit (no model file, no ORT session), tests/component
+    (ORT sessions on the shipped models, in-process servers), tests/integration (timm exports,
+    server processes, the Fashion-MNIST split, Ray, the benchmarks). `make test-fast` runs the
+    first two (``-m "not slow and not integration"``)."""
     for item in items:
-        if (INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ()))
-                or item.module.__name__ in INTEGRATION_MODULES):
-            item.add_marker(pytest.mark.integration)
+        tier = item.path.parent.name
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
+
+
+@pytest.fixture(autouse=True)
+def _no_dataset_below_integration(request, monkeypatch, tmp_path_factory) -> None:
+    """Below the integration tier the data set is out of reach: a unit or component test that
+    reads Fashion-MNIST fails (FileNotFoundError), whether the machine has it or not."""
+    if request.node.path.parent.name in ("unit", "component"):
+        monkeypatch.setenv("EVA0_FMNIST_ROOT", str(tmp_path_factory.getbasetemp() / "no-dataset"))

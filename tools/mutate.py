@@ -34,9 +34,10 @@ PACKAGE_DIRS = {"runtime": "runtime", "exporter": "exporter", "quant": "quant", 
                 "fleet": "fleet"}
 MODULES = ["estimator", "update", "losses", "rates", "stepcontrol", "shift", "guard", "state",
            "statelimits"]
-TESTS = ["tests/test_objectives.py", "tests/test_estimator.py", "tests/test_batch_rates.py",
-         "tests/test_guard_units.py", "tests/test_update.py",
-         "tests/test_shift.py", "tests/test_guard.py", "tests/test_state_validation.py"]
+TESTS = ["tests/unit/test_objectives.py", "tests/unit/test_estimator.py",
+         "tests/component/test_batch_rates.py", "tests/unit/test_guard_units.py",
+         "tests/unit/test_update.py", "tests/component/test_shift.py",
+         "tests/integration/test_guard.py", "tests/component/test_state_validation.py"]
 TEST_MARKERS = "not integration and not slow"
 # Lines not mutated: log calls and the text of error messages (wording, not numbers; the
 # conditions that raise are mutated).

@@ -1,0 +1,245 @@
+"""The asynchronous server (``serve --async-adapt``): answers from one forward at the current
+theta, adaptation on answered inputs while the worker is idle, within the budget."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from eva0_edge.runtime.methods import load_method
+from eva0_edge.runtime.policy import LEARN_BLOCK, Policy
+from eva0_edge.runtime.server.worker import AdaptationWorker
+from tests.fixtures import SHIPPED_VIT
+
+MODEL = SHIPPED_VIT
+NO_SHIFT = {"activation_shift": 0.0, "guard": False}
+
+
+def images(count: int, seed: int) -> np.ndarray:
+    """Normalised random images [count, 3, 32, 32] within the model's range."""
+    pixels = np.random.default_rng(seed).uniform(0, 1, (count, 3, 32, 32)).astype(np.float32)
+    return (pixels - 0.5) / 0.5
+
+
+def wait_for(condition, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def started():
+    workers = []
+
+    def start(model, **kwargs) -> AdaptationWorker:
+        worker = AdaptationWorker(model, kwargs.pop("max_batch", 8), 0.0, asynchronous=True,
+                                  **kwargs)
+        worker.start()
+        workers.append(worker)
+        return worker
+
+    yield start
+    for worker in workers:
+        worker.stop(30)
+
+
+def test_an_answer_is_the_forward_at_theta_before_its_own_adaptation(started):
+    """The first request is answered at theta0; the idle pass then adapts on it (its 4 rows
+    fill a pass); the next request is answered at exactly the theta that pass left."""
+    model = Policy.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
+    reference = Policy.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
+    worker = started(model, max_batch=4)
+    first, second = images(4, 0), images(4, 1)
+    np.testing.assert_allclose(worker.submit(first).result(30), reference.predict(first),
+                               rtol=1e-6, atol=1e-6)
+    wait_for(lambda: worker.counts()["adapted_samples"] == 4)
+    theta = worker.call(lambda m: m.state.theta.copy()).result(30)
+    assert not np.array_equal(theta, model.metadata.theta0)
+    reference.state.theta = theta
+    np.testing.assert_allclose(worker.submit(second).result(30), reference.predict(second),
+                               rtol=1e-6, atol=1e-6)
+    wait_for(lambda: worker.counts()["adapted_samples"] == 8)
+    stats = worker.call(lambda m: m.stats()).result(30)
+    assert stats["samples"] == 8 and stats["steps"] == 2
+    assert stats["forwards"] == 8 + 2 * 8  # each sample served once, then adapted on (2 rows)
+
+
+def test_no_input_is_adapted_on_before_its_request_is_answered(started):
+    model = Policy.load(MODEL, "eva0", {"guard": False}, provider="cpu")
+    worker = started(model)
+    submitted: list[tuple[np.ndarray, object]] = []
+    lock = threading.Lock()
+    early: list[int] = []
+    begin = model.begin_pass
+
+    def watched(x: np.ndarray):
+        with lock:
+            for rows, future in submitted:
+                if not future.done() and any(np.array_equal(r, x_row) for r in rows
+                                             for x_row in x):
+                    early.append(rows.shape[0])
+        return begin(x)
+
+    model.begin_pass = watched
+
+    def client(seed: int) -> None:
+        for i in range(6):
+            x = images(1 + (seed + i) % 3, 100 * seed + i)
+            with lock:
+                future = worker.submit(x)
+                submitted.append((x, future))
+            future.result(30)
+
+    threads = [threading.Thread(target=client, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    served = sum(rows.shape[0] for rows, _ in submitted)
+    # settled: no pass running, and fewer rows waiting than start one (max_batch)
+    wait_for(lambda: worker.call(lambda m: worker.counts()).result(30)["adapting_samples"] == 0
+             and worker.counts()["waiting_samples"] < 8)
+    counts = worker.call(lambda m: worker.counts()).result(30)
+    assert early == [] and counts["served_samples"] == served and counts["adapted_samples"] > 0
+    assert sum(counts.values()) == 2 * served  # each sample served, then adapted on or dropped
+
+
+def blocky(count: int, seed: int) -> np.ndarray:
+    """Images [count, 3, 32, 32] of 4 x 4 blocks: a stream the activation shift moves (random
+    pixels it leaves alone)."""
+    return np.repeat(np.repeat(images(count, seed)[:, :, :8, :8], 4, axis=2), 4, axis=3)
+
+
+def test_small_batches_are_learnt_from_in_blocks():
+    """Batches under ``LEARN_BLOCK`` rows are served with the windows the last block left and
+    learnt from once the block is full: the windows, the budget's credit and the forward
+    counter then read as if the block had come as one batch."""
+    config = {"budget": 1.5, "guard": False}
+    blocks, whole = (Policy.load(MODEL, "eva0", config, provider="cpu") for _ in range(2))
+    plain = load_method(MODEL, "noadapt", provider="cpu")
+    for model in (blocks, whole):
+        model.set_asynchronous()
+        for seed in range(8):
+            model.serve_step(blocky(LEARN_BLOCK, seed))
+        model.budget.credit = 100.0  # room below the cap, so what is earned shows
+    credit, weight = blocks.budget.credit, blocks.state.shift_weight
+    parts = [blocky(2, 100 + i) for i in range(LEARN_BLOCK // 2)]
+    offsets = []
+    for part in parts[:-1]:
+        offsets.append(blocks.serve_step(part) - plain.predict(part))
+        assert (blocks.budget.credit, blocks.state.shift_weight) == (credit, weight)
+    assert np.abs(offsets[0]).max() > 0.5
+    for offset in offsets[1:]:
+        np.testing.assert_allclose(offset[0], offsets[0][0], atol=1e-5)
+    blocks.serve_step(parts[-1])
+    whole.serve_step(np.concatenate(parts))
+    np.testing.assert_array_equal(blocks.state.shift_mean, whole.state.shift_mean)
+    assert blocks.budget.credit == whole.budget.credit == credit + 0.5 * LEARN_BLOCK
+    assert blocks.stats()["samples"] == whole.stats()["samples"] == 9 * LEARN_BLOCK
+
+
+def test_what_reads_the_state_sees_the_served_samples_learnt_from(started):
+    """Three single images wait for their block; a control operation learns from them first,
+    so the activation shift's window holds them."""
+    model = Policy.load(MODEL, "eva0", {"budget": 1.5, "guard": False}, provider="cpu")
+    worker = started(model, max_batch=64)
+    for seed in range(3):
+        worker.submit(blocky(1, seed)).result(30)
+    weight, samples = worker.call(lambda m: (m.state.shift_weight, m.stats()["samples"])).result(30)
+    assert samples == 3 and weight == pytest.approx(1 - model.shift.factor**3)
+
+
+def held_passes(model: Policy) -> tuple[threading.Event, list[tuple[int, int]]]:
+    """Make the model's pass ORT calls wait for the returned event; the list collects each
+    call's thread id and that thread's scheduling policy."""
+    release, seen = threading.Event(), []
+    run = model.model.run_served
+
+    def held(served):
+        seen.append((threading.get_ident(), os.sched_getscheduler(threading.get_native_id())))
+        assert release.wait(30)
+        return run(served)
+
+    model.model.run_served = held
+    return release, seen
+
+
+def test_serving_goes_on_while_a_pass_runs(started):
+    """A running pass holds no request: the next batch is answered at the theta before the
+    pass, by the worker, while the pass's ORT call runs on the pass thread (scheduled only on
+    idle CPU); the update lands once the call is done."""
+    model = Policy.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
+    reference = Policy.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
+    release, seen = held_passes(model)
+    worker = started(model, max_batch=4)
+    worker.submit(images(4, 0)).result(30)
+    wait_for(lambda: seen != [])
+    later = images(4, 1)
+    np.testing.assert_allclose(worker.submit(later).result(30), reference.predict(later),
+                               rtol=1e-6, atol=1e-6)
+    counts = worker.call(lambda m: worker.counts()).result(30)
+    assert counts["adapting_samples"] == 4 and counts["adapted_samples"] == 0
+    ((thread, policy),) = seen
+    assert thread != worker._thread.ident and policy == os.SCHED_IDLE
+    release.set()
+    wait_for(lambda: worker.counts()["adapted_samples"] == 4)
+    assert worker.call(lambda m: m.state.step).result(30) == 1
+
+
+@pytest.mark.parametrize("move", [
+    lambda m: m.reset(),
+    lambda m: m.model.roll_back(m.metadata.theta0),  # the guard's: the same state object
+    lambda m: m.load_state_bytes(m.state_bytes()),
+], ids=["reset", "roll-back", "state-installed"])
+def test_a_pass_the_state_moved_away_from_is_dropped(started, move):
+    """A reset, roll-back or installed state while the pass's ORT call runs: its update is of a
+    theta no longer there, so it is dropped (counted), and theta stays theta0."""
+    model = Policy.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
+    release, seen = held_passes(model)
+    worker = started(model, max_batch=4)
+    worker.submit(images(4, 0)).result(30)
+    wait_for(lambda: seen != [])
+    worker.call(move).result(30)
+    release.set()
+    wait_for(lambda: worker.counts()["dropped_samples"] == 4)
+    state = worker.call(lambda m: (m.state.step, m.state.theta.copy())).result(30)
+    assert worker.counts()["adapted_samples"] == 0 and state[0] == 0
+    np.testing.assert_array_equal(state[1], model.metadata.theta0)
+
+
+def test_budget_one_serves_what_noadapt_shift_serves(started):
+    """F = 1: no adaptation pass is paid for; every answer is noadapt-shift's, one forward."""
+    model = Policy.load(MODEL, "eva0", {"budget": 1.0}, provider="cpu")
+    reference = load_method(MODEL, "noadapt-shift", provider="cpu")
+    worker = started(model, max_batch=3)
+    for seed in range(5):
+        x = images(3, seed)
+        np.testing.assert_array_equal(worker.submit(x).result(30), reference.step(x))
+        wait_for(lambda want=3 * (seed + 1): worker.counts()["dropped_samples"] == want)
+    assert worker.counts()["adapted_samples"] == 0
+    assert worker.call(lambda m: m.forwards_per_sample).result(30) == 1.0
+
+
+def test_the_budget_charges_an_adapted_sample_its_forwards_beyond_the_served_one(started):
+    """F = 1.5 on 1600 samples: the forward counter stays within the budget plus the bucket's
+    burst (the model's ``budget_burst`` samples' worth of F - 1), though every adapted sample
+    also paid its served forward."""
+    model = Policy.load(MODEL, "eva0", {"budget": 1.5, "guard": False}, provider="cpu")
+    worker = started(model)
+    for seed in range(200):  # each request fills a pass: adapted on or declined, then the next
+        worker.submit(images(8, seed)).result(30)
+        wait_for(lambda done=8 * (seed + 1): worker.counts()["adapted_samples"] +
+                 worker.counts()["dropped_samples"] == done)
+    counts = worker.counts()
+    fps = worker.call(lambda m: m.forwards_per_sample).result(30)
+    assert fps == pytest.approx(1 + 2 * counts["adapted_samples"] / counts["served_samples"])
+    burst = model.config.budget_burst
+    assert counts["adapted_samples"] > 0 and fps <= 1.5 + 0.5 * burst / 1600 + 1e-9
+    budget = worker.call(lambda m: m.stats()["budget"]).result(30)
+    assert budget["adapted_samples"] == counts["adapted_samples"]
+    assert 0 < budget["served_samples"] <= counts["dropped_samples"]  # declined by the budget
