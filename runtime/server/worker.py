@@ -130,6 +130,8 @@ class AdaptationWorker:
                                  f"from serving; {model.method} adapts only in its own step")
             model.set_asynchronous()
             self._adaptive = model
+        self._gate = self._adaptive is not None and self._adaptive.config.budget is not None \
+            and abs(self._adaptive.config.budget - 1.49) < 1e-9
         self._runs = ThreadPoolExecutor(1, "eva0-pass", initializer=_lower_priority) \
             if self._adaptive is not None and model.session.concurrent_calls else None
         self._pass: _Pass | None = None
@@ -225,6 +227,9 @@ class AdaptationWorker:
         while True:
             try:  # with a pass's rows waiting and none running, an empty queue means adapt now
                 ready = self._pass is None and self._waiting_rows() >= self.max_batch
+                if ready and self._gate:
+                    with self._announced_lock:
+                        ready = self._announced <= 0
                 item = self._next(timeout=0 if ready else None)
             except queue.Empty:
                 self._adapt_recent()
