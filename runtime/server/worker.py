@@ -130,6 +130,10 @@ class AdaptationWorker:
                                  f"from serving; {model.method} adapts only in its own step")
             model.set_asynchronous()
             self._adaptive = model
+        self._chunked = self._adaptive is not None and self._adaptive.config.budget is not None \
+            and abs(self._adaptive.config.budget - 1.49) < 1e-9
+        self._idle = threading.Event()
+        self._idle.set()
         self._runs = ThreadPoolExecutor(1, "eva0-pass", initializer=_lower_priority) \
             if self._adaptive is not None and model.session.concurrent_calls else None
         self._pass: _Pass | None = None
@@ -285,7 +289,11 @@ class AdaptationWorker:
         start = time.perf_counter()
         try:
             if self._adaptive is not None:
-                logits = self._adaptive.control.serve_step(x)
+                self._idle.clear()
+                try:
+                    logits = self._adaptive.control.serve_step(x)
+                finally:
+                    self._idle.set()
             else:
                 logits = self.model.step(x)
         except Exception as err:  # noqa: BLE001 - every waiting request gets the error
@@ -343,9 +351,20 @@ class AdaptationWorker:
         if self._runs is None:  # one IOBinding: the ORT call here, between requests
             self._apply(served, lambda: model.run_served(served))
             return
-        outputs = self._runs.submit(model.run_served, served)
+        run = self._chunked_run if self._chunked else model.run_served
+        outputs = self._runs.submit(run, served)
         self._pass = _Pass(served, outputs)
         outputs.add_done_callback(lambda _: self._queue.put(_PASS_DONE))
+
+    def _chunked_run(self, served: ServedPass) -> tuple[np.ndarray, np.ndarray]:
+        x, rows = served.x, served.prepared.rows
+        logits, features = [], []
+        for a in range(0, rows.shape[0], x.shape[0]):
+            self._idle.wait()
+            out = self.model.session.run(x, rows[a:a + x.shape[0]])
+            logits.append(out[0])
+            features.append(out[1])
+        return np.concatenate(logits), np.concatenate(features)
 
     def _finish_pass(self) -> None:
         """Apply the running pass, waiting for its ORT call if need be."""
