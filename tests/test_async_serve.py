@@ -97,6 +97,7 @@ def test_no_input_is_adapted_on_before_its_request_is_answered(started):
                 future = worker.submit(x)
                 submitted.append((x, future))
             future.result(30)
+            time.sleep(0.005)  # a client between requests: the worker finds idle moments
 
     threads = [threading.Thread(target=client, args=(s,)) for s in range(4)]
     for t in threads:
@@ -110,6 +111,60 @@ def test_no_input_is_adapted_on_before_its_request_is_answered(started):
     counts = worker.call(lambda m: worker.counts()).result(30)
     assert early == [] and counts["served_samples"] == served and counts["adapted_samples"] > 0
     assert sum(counts.values()) == 2 * served  # each sample served, then adapted on or dropped
+
+
+def blocky(count: int, seed: int) -> np.ndarray:
+    """Images [count, 3, 32, 32] of 4 x 4 blocks: a stream the activation shift moves (random
+    pixels it leaves alone)."""
+    return np.repeat(np.repeat(images(count, seed)[:, :, :8, :8], 4, axis=2), 4, axis=3)
+
+
+def test_a_served_batch_is_shifted_by_what_the_batches_before_it_taught():
+    """``answer`` serves a batch with the shift the batches before it taught, whatever the
+    batch holds: a batch in which the input change detector sees a new stream gets the same
+    offset as one of the old stream; ``learn`` then restarts the window, and the next batch is
+    served unshifted."""
+    config = {"budget": 1.5, "guard": False}
+    calm, jumped = (AdaptiveModel.load(MODEL, "eva0", config, provider="cpu") for _ in range(2))
+    plain = load_method(MODEL, "noadapt", provider="cpu")
+    for model in (calm, jumped):
+        model.set_asynchronous()
+        for seed in range(16):
+            model.control.serve_step(blocky(8, seed))
+    same, new = blocky(8, 16), images(8, 16)
+    offsets = [model.control.answer(x) - plain.predict(x)
+               for model, x in ((calm, same), (jumped, new))]
+    assert np.abs(offsets[0]).max() > 0.5
+    np.testing.assert_allclose(offsets[1], offsets[0], atol=1e-4)
+    for model in (calm, jumped):
+        model.control.learn()
+    assert (calm.control.inputs.changes, jumped.control.inputs.changes) == (0, 1)
+    after = images(8, 17)
+    np.testing.assert_array_equal(jumped.control.answer(after), plain.predict(after))
+
+
+def test_an_answer_goes_out_before_its_batch_is_learnt_from(started):
+    """The worker answers, then learns from the batch (the detectors, the shift's window, the
+    budget): with the learning held, the answer has arrived and the next batch waits for it."""
+    model = AdaptiveModel.load(MODEL, "eva0", {"budget": 1.5, "guard": False}, provider="cpu")
+    release, learning = threading.Event(), threading.Event()
+    learn = model.learn_served
+
+    def held(features: np.ndarray) -> bool:
+        learning.set()
+        assert release.wait(30)
+        return learn(features)
+
+    model.learn_served = held
+    worker = started(model, max_batch=64)
+    first = worker.submit(blocky(4, 0))
+    assert first.result(30).shape == (4, 10) and learning.wait(30)
+    second = worker.submit(blocky(4, 1))
+    time.sleep(0.2)  # the worker is held in the learning: nothing is served meanwhile
+    assert not second.done()
+    release.set()
+    assert second.result(30).shape == (4, 10)
+    assert worker.call(lambda m: m.state.shift_weight).result(30) > 0
 
 
 def held_passes(model: AdaptiveModel) -> tuple[threading.Event, list[tuple[int, int]]]:
