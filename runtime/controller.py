@@ -61,6 +61,8 @@ class StepController:
         self.guard = self._new_guard()
         self.budget = self._new_budget()
         self.inputs = InputChangeDetector()
+        # a batch answered and not yet learnt from: its checked images and served features
+        self._learning: tuple[np.ndarray, np.ndarray] | None = None
 
     def _engine(self) -> AdaptiveModel:
         """The model as the EVA-0-family engine: what the health guard, its duels and the
@@ -106,8 +108,44 @@ class StepController:
     def serve_step(self, x: np.ndarray) -> np.ndarray:
         """The asynchronous server's answer: :meth:`step` without the method's own step (the
         guard's duels still run, the budget earns the batch's credit); the batch is adapted on
-        later, if at all, by a pass (:meth:`begin_pass`, :meth:`finish_pass`)."""
-        return self._step(x, adapt=False)
+        later, if at all, by a pass (:meth:`begin_pass`, :meth:`finish_pass`).
+        :meth:`answer`, then :meth:`learn`."""
+        served = self.answer(x)
+        self.learn()
+        return served
+
+    def answer(self, x: np.ndarray) -> np.ndarray:
+        """:meth:`serve_step` up to the answer, logits [B, K]: when the batch is served at
+        theta (no duel, not frozen), what it teaches (the input change detector, the
+        activation shift's window, the budget's credit, the signals of a change) waits for
+        :meth:`learn`, which the worker runs once the answers are out, before the next batch.
+        So every signal a served batch gives acts from the next batch on, as the activation
+        shift's own always did: a change the input detector sees in a batch restarts the
+        shift's window after that batch is served with the shift it had."""
+        self.learn()
+        m = self._engine()
+        st = m.state
+        if not m.spec.adapts or st.frozen or st.pause_left > 0:
+            return self._step(x, adapt=False)
+        x = m.session.check_input(x)
+        served, features = m.answer(x)
+        self._learning = (x, features)
+        return served
+
+    def learn(self) -> None:
+        """What the batch last :meth:`answer`ed teaches, if it has not been learnt yet: the
+        input change detector sees it (a change restarts the shift's window), its head inputs
+        enter the shift's window, the budget earns its credit, a change of stream is acted on
+        (see :meth:`_after_change`)."""
+        if self._learning is None:
+            return
+        (x, features), self._learning = self._learning, None
+        m = self._engine()
+        inputs_changed = self._inputs_changed(x)
+        if self.budget is not None:
+            self.budget.earn(x.shape[0])
+        shift_changed = m.learn_served(features)
+        self._after_change(inputs_changed or shift_changed)
 
     def begin_pass(self, x: np.ndarray) -> ServedPass | None:
         """Begin the adaptation pass on x [B, C, H, W] (already answered) when adaptation is on

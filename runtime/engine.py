@@ -424,8 +424,24 @@ class AdaptiveModel:
         """One forward at the current theta on the checked batch x [B, C, H, W]
         (``session.check_input``), served: logits [B, K] (the activation shift learns from the
         batch), and whether the shift's change detector saw a new stream in it."""
+        served, features = self.answer(x)
+        return served, self.learn_served(features)
+
+    def answer(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`serve` up to the answer: the served logits [B, K] (shifted by what the
+        samples before the batch taught the activation shift) and the features [B, F] (owned)
+        that :meth:`learn_served` takes once the answer is out, before the next batch."""
         logits, features = self._forward(x)
-        return self.serve_outputs(logits, features)
+        return self._serve(logits), self.session.owned(features)
+
+    def learn_served(self, features: np.ndarray) -> bool:
+        """The served rows' ``features`` [B, F] enter the activation shift's window; whether
+        its change detector saw a new stream in them."""
+        if self.shift is None:
+            return False
+        changes = self.shift.changes
+        self.shift.observe(self.state, features)
+        return self.shift.changes > changes
 
     def adapt(self, x: np.ndarray) -> tuple[np.ndarray, bool, np.ndarray | None]:
         """The method's step on the checked batch x [B, C, H, W]: the gradient estimate (one
@@ -521,15 +537,12 @@ class AdaptiveModel:
             return np.zeros(self.metadata.num_classes)
         return self.shift.offset(self.state)
 
-    def _serve(self, logits: np.ndarray, features: np.ndarray | None = None) -> np.ndarray:
+    def _serve(self, logits: np.ndarray) -> np.ndarray:
         """The logits [B, K] to hand out: shifted by what the samples before this batch
-        taught the activation shift; then ``features`` [B, F] (the served rows', None: no
-        update) enter the shift's window. An owned copy, recorded in ``last``."""
+        taught the activation shift. An owned copy, recorded in ``last``."""
         served = self.session.owned(logits)
         if self.shift is not None:
             served = (served + self._logit_offset()).astype(logits.dtype)
-            if features is not None:
-                self.shift.observe(self.state, features)
         self._record(served)
         return served
 
@@ -537,9 +550,7 @@ class AdaptiveModel:
         self, logits: np.ndarray, features: np.ndarray
     ) -> tuple[np.ndarray, bool]:
         """:meth:`_serve`, and whether the shift's change detector saw a new stream in it."""
-        changes = self.shift.changes if self.shift is not None else 0
-        served = self._serve(logits, features)
-        return served, self.shift is not None and self.shift.changes > changes
+        return self._serve(logits), self.learn_served(features)
 
     def _record(self, prediction: np.ndarray) -> None:
         self.last = StepStats.of(prediction)

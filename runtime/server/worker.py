@@ -14,8 +14,10 @@ Control operations (statistics, reset, state get/put) run on the same thread bet
 nothing else ever touches the state.
 
 With ``asynchronous`` (``serve --async-adapt``; EVA-0-family methods) a batch is answered from
-one forward at the current theta (:meth:`~..controller.StepController.serve_step`) as soon as
-it has run, and its rows join the recent inputs (the last ``max_batch`` rows; older ones are
+one forward at the current theta (:meth:`~..controller.StepController.answer`) as soon as it
+has run; what it teaches (the change detectors, the activation shift's window, the budget's
+credit: :meth:`~..controller.StepController.learn`) is learnt after the answers are out, and
+its rows join the recent inputs (the last ``max_batch`` rows; older ones are
 dropped from adaptation). Once ``max_batch`` rows are waiting, the queue is empty and no pass
 is running, the worker begins a pass on them (:meth:`~..controller.StepController.begin_pass`,
 within the compute budget: the perturbed rows). Its ORT call (the 2 x #rows forwards; the GIL
@@ -285,7 +287,7 @@ class AdaptationWorker:
         start = time.perf_counter()
         try:
             if self._adaptive is not None:
-                logits = self._adaptive.control.serve_step(x)
+                logits = self._adaptive.control.answer(x)
             else:
                 logits = self.model.step(x)
         except Exception as err:  # noqa: BLE001 - every waiting request gets the error
@@ -299,6 +301,7 @@ class AdaptationWorker:
             job.future.set_result(logits[offset : offset + n])
             offset += n
         if self._adaptive is not None:
+            self._learn(x)
             self._remember(x)
         self._count_step()
         if self.on_step is not None:
@@ -306,6 +309,15 @@ class AdaptationWorker:
                 self.on_step(StepRecord(rows, len(jobs), seconds, self.model.last.skipped))
             except Exception:  # noqa: BLE001 - metrics must never stop the worker
                 log.exception("step callback failed")
+
+    def _learn(self, x: np.ndarray) -> None:
+        """What the answered batch x teaches (:meth:`~..controller.StepController.learn`),
+        now that its answers are out; a failure is logged and serving goes on."""
+        assert self._adaptive is not None
+        try:
+            self._adaptive.control.learn()
+        except Exception:  # noqa: BLE001 - the answers went out; serving goes on
+            log.exception("learning from %d served samples failed", x.shape[0])
 
     def _remember(self, x: np.ndarray) -> None:
         """Keep the answered rows x for adaptation: the last ``max_batch`` rows at most."""
