@@ -77,6 +77,11 @@ def _lower_priority() -> None:
     SCHED_IDLE policy (any other runnable thread preempts it at once), else nice 19; set per
     thread. Where neither is allowed the thread keeps its priority."""
     thread = threading.get_native_id()
+    if os.environ.get("EVA0_PASS_PRIORITY") == "normal":
+        return
+    if os.environ.get("EVA0_PASS_PRIORITY") == "nice":
+        os.setpriority(os.PRIO_PROCESS, thread, PASS_NICE)
+        return
     try:
         os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
         return
