@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from eva0_edge.runtime.session import SessionSettings
+
 from .testbed.evaluate import EvalSpec, evaluate, model_for, spec_dict
 from .testbed.machine import environment
 from .testbed.output import machine_line, pyplot, save_figure, write_outputs
@@ -42,7 +44,8 @@ def run_blackbox(
     """Accuracy (mean over corruptions, %) of each method at each #FP, with the references."""
     spec = EvalSpec(
         model=model, dataset="fmnist-c", protocol="single", severity=severity,
-        batch_size=batch_size, seed=seed, limit=limit, provider="cpu", threads=threads,
+        batch_size=batch_size, seed=seed, limit=limit,
+        session=SessionSettings(provider="cpu", threads=threads),
         prompt_model=prompt_model,
         methods=["noadapt", *[f"{m}@{fp}" for m in methods for fp in fps]],
     )

@@ -12,6 +12,7 @@ from eva0_edge.runtime.cli import (
     int_list,
     method_overrides,
     missing_extra,
+    session_settings,
     split_names,
 )
 
@@ -44,11 +45,7 @@ def _cmd_eval(args: argparse.Namespace) -> None:
         split=args.split,
         overrides=method_overrides(args),
         torch_checkpoint=args.torch_checkpoint,
-        provider=args.provider,
-        io_binding=args.io_binding,
-        split_sessions=args.split_sessions,
-        memory_budget_mb=args.memory_budget_mb,
-        threads=args.threads,
+        session=session_settings(args),
         prompt_model=args.prompt_model,
     )
     if args.ray is None:

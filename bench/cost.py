@@ -51,6 +51,7 @@ from eva0_edge.runtime.methods import RUNTIME_METHODS, base_name, is_prompt_meth
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.progress import progress_bar
 from eva0_edge.runtime.registry import parse_method, spec_of
+from eva0_edge.runtime.session import SessionSettings
 
 from .testbed.machine import environment, process_peak_rss_mb
 from .testbed.output import machine_line, pyplot, save_figure
@@ -145,8 +146,8 @@ def make_step(
             if not budgeted(method):
                 raise ValueError(f"{method} takes no compute budget")
             config = {**(config or {}), "budget": budget}
-        model = load_method(path, base, config, seed=0, provider=provider, threads=threads,
-                            **flags)
+        model = load_method(path, base, config, seed=0,
+                            session=SessionSettings(provider=provider, threads=threads, **flags))
         if budget is not None:
             model.budget.dense = False  # the steady state on a learnt stream (the bucket full)
         counter = model.session.counter

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from eva0_edge.runtime.server import ServeOptions
 from eva0_edge.runtime.server.options import serve_defaults
+from eva0_edge.runtime.session import SessionSettings
 
 from .replica import ReplicaSpec
 from .serve import fleet_application
@@ -63,8 +64,9 @@ def build(args: FleetArgs) -> Any:
         max_delay_ms=args.max_delay_ms,
         admin_token=os.environ.get("EVA0_ADMIN_TOKEN") or None, loopback=False,
     )
-    spec = ReplicaSpec({"path": args.model, "name": args.method, "threads": args.threads},
-                       options, args.sync_every_s)
+    spec = ReplicaSpec(args.model, args.method, options,
+                       session=SessionSettings(threads=args.threads),
+                       sync_every_s=args.sync_every_s)
     config = FleetConfig(threshold=args.threshold, combine=args.combine,
                          state_dir=args.state_dir)
     return fleet_application(spec, args.replicas, config, args.replica_cpus)

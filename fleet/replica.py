@@ -15,26 +15,37 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from eva0_edge.runtime.methods import load_method
+from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.server import ServeOptions, create_app
+from eva0_edge.runtime.session import SessionSettings
 
 from .sync import FleetSync, ray_actor
 
 
 @dataclass
 class ReplicaSpec:
-    """What every replica loads and how it syncs. ``load``: keyword arguments of
-    :func:`~eva0_edge.runtime.methods.load_method` (path, name, config, provider, threads, ...);
-    ``sync_every_s``: seconds between reports to the fleet state (0: none); ``seed``: the
-    perturbation seed, offset per replica so replicas explore different directions."""
+    """What every replica loads and how it syncs: the adaptable file ``path`` under ``method``
+    with the hyper-parameter overrides ``config``, run by ORT as ``session`` says, served with
+    ``options``; ``sync_every_s``: seconds between reports to the fleet state (0: none);
+    ``seed``: the perturbation seed, offset per replica so replicas explore different
+    directions."""
 
-    load: dict[str, Any]
+    path: str
+    method: str
     options: ServeOptions
+    config: dict[str, Any] = field(default_factory=dict)
+    session: SessionSettings = field(default_factory=SessionSettings)
     sync_every_s: float = 2.0
     seed: int = 0
+
+    def load(self, seed: int | None = None) -> Policy:
+        """The replica's model (``seed``: its own; default the spec's)."""
+        return load_method(self.path, self.method, self.config,
+                           self.seed if seed is None else seed, self.session)
 
 
 def replica_app(spec: ReplicaSpec, actor: Any) -> Callable[[], Any]:
@@ -47,10 +58,9 @@ def replica_app(spec: ReplicaSpec, actor: Any) -> Callable[[], Any]:
 
         replica = serve.get_replica_context().replica_id.unique_id
         seed = spec.seed + zlib.crc32(replica.encode()) % 100_000
-        model = load_method(**{**spec.load, "seed": seed})
+        model = spec.load(seed)
         if not model.spec.keeps_state:
-            raise ValueError(f"the fleet merges EVA-0-family states; {spec.load['name']} keeps "
-                             "none")
+            raise ValueError(f"the fleet merges EVA-0-family states; {spec.method} keeps none")
         return create_app(model, spec.options,
                           FleetSync(ray_actor(actor), replica, model, spec.sync_every_s))
 

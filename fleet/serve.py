@@ -13,7 +13,6 @@ import time
 import urllib.request
 from typing import Any
 
-from eva0_edge.runtime.methods import load_method
 from eva0_edge.runtime.policy import Policy
 
 from .replica import ReplicaSpec, replica_app
@@ -108,11 +107,11 @@ def fleet_application(
 
     if replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
-    probe = probe if probe is not None else load_method(**spec.load)
+    probe = probe if probe is not None else spec.load()
     if not probe.spec.keeps_state:
-        raise ValueError(f"the fleet merges EVA-0-family states; {spec.load['name']} keeps none")
+        raise ValueError(f"the fleet merges EVA-0-family states; {spec.method} keeps none")
     actor = fleet_actor(spec, config, probe)
-    spec = dataclasses.replace(spec, load=shared_stream_load(spec.load, probe, replicas))
+    spec = dataclasses.replace(spec, config=shared_stream_config(spec.config, probe, replicas))
     deployment = serve.deployment(
         serve.ingress(replica_app(spec, actor))(), name="replica", num_replicas=replicas,
         max_ongoing_requests=max(2 * spec.options.max_batch, 16),
@@ -122,19 +121,18 @@ def fleet_application(
     return deployment.bind()
 
 
-def shared_stream_load(load: dict[str, Any], probe: Policy,
-                       replicas: int) -> dict[str, Any]:
-    """``load`` with the activation-shift window divided among the replicas. The ingress
+def shared_stream_config(config: dict[str, Any], probe: Policy,
+                         replicas: int) -> dict[str, Any]:
+    """The hyper-parameter overrides ``config`` with the activation-shift window divided among
+    the replicas. The ingress
     spreads one stream over them, so a replica sees every N-th image: a window of W/N of its
     own samples spans the stream time of one process's W, and reacts as fast to a change of
     domain (``studies/fleet-sim/``, ResNet-GN, continual stream at 400 images per corruption,
     4 replicas, two seeds: +0.6 points against the undivided window, merged or not). A window
-    set in ``load``'s config is taken as the replica's own and kept."""
-    config = dict(load.get("config") or {})
+    set in ``config`` is taken as the replica's own and kept."""
     if "shift_window" in config or not probe.config.activation_shift:
-        return load
-    config["shift_window"] = max(1.0, probe.config.shift_window / replicas)
-    return {**load, "config": config}
+        return config
+    return {**config, "shift_window": max(1.0, probe.config.shift_window / replicas)}
 
 
 def start_fleet(

@@ -16,6 +16,7 @@ from .registry import RUNTIME_KINDS, method_help
 if TYPE_CHECKING:
     from .policy import Policy
     from .server import ServeOptions
+    from .session import SessionSettings
 
 log = logging.getLogger("eva0_edge")
 
@@ -131,9 +132,18 @@ def add_split_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def split_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The AdaptableSession keywords of --split-sessions / --memory-budget-mb."""
-    return {"split": args.split_sessions, "memory_budget_mb": args.memory_budget_mb}
+def session_settings(args: argparse.Namespace) -> SessionSettings:
+    """How ORT runs the model, from a subcommand's options (built once, passed whole; an
+    option the subcommand does not have takes the default)."""
+    from .session import SessionSettings
+
+    return SessionSettings(
+        provider=args.provider, threads=getattr(args, "threads", None),
+        low_memory=getattr(args, "low_memory", False),
+        io_binding=getattr(args, "io_binding", None),
+        split=getattr(args, "split_sessions", None),
+        memory_budget_mb=getattr(args, "memory_budget_mb", None),
+    )
 
 
 class StopRequest:
@@ -212,10 +222,8 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
     from .predictions import PredictionWriter
     from .progress import progress_bar
 
-    model = load_method(
-        args.model, args.method, method_overrides(args), args.seed, args.provider,
-        low_memory=args.low_memory, io_binding=args.io_binding, **split_options(args),
-    )
+    model = load_method(args.model, args.method, method_overrides(args), args.seed,
+                        session_settings(args))
     if not model.spec.keeps_state:
         if args.state:
             raise ValueError(
@@ -278,10 +286,8 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     from .methods import load_method
     from .server import ServeOptions, run_server
 
-    model = load_method(
-        args.model, args.method, method_overrides(args), args.seed, args.provider,
-        args.threads, args.low_memory, args.io_binding, **split_options(args),
-    )
+    model = load_method(args.model, args.method, method_overrides(args), args.seed,
+                        session_settings(args))
     options = ServeOptions(
         name=args.name or Path(args.model).stem,
         max_batch=args.max_batch,
@@ -327,12 +333,8 @@ def _serve_fleet(args: argparse.Namespace, model: Policy, options: ServeOptions,
             f"--replicas needs Ray Serve: pip install 'eva0-edge[fleet]' ({err})"
         ) from err
     logging.getLogger("eva0_edge").setLevel(level.upper())
-    load = dict(
-        path=args.model, name=args.method, config=method_overrides(args),
-        provider=args.provider, threads=args.threads, low_memory=args.low_memory,
-        io_binding=args.io_binding, **split_options(args),
-    )
-    spec = ReplicaSpec(load, dataclasses.replace(options, state_dir=None), args.sync_every_s,
+    spec = ReplicaSpec(args.model, args.method, dataclasses.replace(options, state_dir=None),
+                       method_overrides(args), session_settings(args), args.sync_every_s,
                        args.seed)
     if args.sync_every_s < 0:
         raise ValueError(f"--sync-every-s must be >= 0, got {args.sync_every_s}")

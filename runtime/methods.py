@@ -12,6 +12,7 @@ from typing import Any
 
 from .policy import Policy
 from .registry import RUNTIME_KINDS, method_names, spec_of
+from .session import SessionSettings
 
 RUNTIME_METHODS = method_names(*RUNTIME_KINDS)
 PROMPT_METHODS = method_names(*RUNTIME_KINDS, prompt_model=True)
@@ -32,18 +33,10 @@ def load_method(
     name: str,
     config: dict[str, Any] | None = None,
     seed: int = 0,
-    provider: str = "auto",
-    threads: int | None = None,
-    low_memory: bool = False,
-    io_binding: bool | None = None,
-    split: bool | None = None,
-    memory_budget_mb: float | None = None,
+    session: SessionSettings | None = None,
 ) -> Policy:
     """Open ``path`` with ONNX Runtime under method ``name`` (any runtime method, ``@FP``
     allowed): the :class:`~eva0_edge.runtime.policy.Policy` that owns the method's model.
-    ``config`` overrides the method's hyper-parameters; ``low_memory``, ``io_binding``,
-    ``split`` and ``memory_budget_mb``: see
-    :class:`~eva0_edge.runtime.session.AdaptableSession`."""
-    return Policy.load(path, name, config, seed, provider=provider, threads=threads,
-                       low_memory=low_memory, io_binding=io_binding, split=split,
-                       memory_budget_mb=memory_budget_mb)
+    ``config`` overrides the method's hyper-parameters; ``session``: how ORT runs it (default
+    :class:`~eva0_edge.runtime.session.SessionSettings`'s)."""
+    return Policy.load(path, name, config, seed, **(session or SessionSettings()).keywords())

@@ -143,6 +143,27 @@ class ForwardCounter:
         return self.forwards / self.samples if self.samples else 0.0
 
 
+@dataclass(frozen=True)
+class SessionSettings:
+    """How ONNX Runtime runs an adaptable file, as one value: built once from the command line
+    (:func:`~eva0_edge.runtime.cli.session_settings`) or in code, and passed whole to
+    :func:`~eva0_edge.runtime.methods.load_method`, the fleet's replicas and the testbed.
+    ``provider``: "auto", "cpu" or "cuda"; ``threads``: ORT's intra-op threads (None: ORT's
+    default, one per core); ``low_memory``, ``io_binding``, ``split``, ``memory_budget_mb``:
+    see :class:`AdaptableSession`."""
+
+    provider: str = "auto"
+    threads: int | None = None
+    low_memory: bool = False
+    io_binding: bool | None = None
+    split: bool | None = None
+    memory_budget_mb: float | None = None
+
+    def keywords(self) -> dict[str, object]:
+        """The settings as :class:`AdaptableSession`'s keyword arguments."""
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+
 class AdaptableSession:
     """Runs ``pixel_values`` [N, C, H, W] under ``theta`` [r*N, P] and returns
     (logits [r*N, K], features [r*N, F]). All arrays float32.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from eva0_edge.runtime.foa import FOAConfig
 from eva0_edge.runtime.methods import RUNTIME_METHODS, base_name, is_prompt_method, load_method
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.registry import method_names, spec_of
+from eva0_edge.runtime.session import SessionSettings
 
 from .corruptions import CORRUPTIONS
 from .datasets import Domain, fmnist_c_domains, folder_domains
@@ -44,11 +45,7 @@ class EvalSpec:
     split: str = "test"
     overrides: dict[str, Any] | None = None
     torch_checkpoint: str | None = None
-    provider: str = "auto"
-    io_binding: bool | None = None
-    split_sessions: bool | None = None
-    memory_budget_mb: float | None = None
-    threads: int | None = None
+    session: SessionSettings = field(default_factory=SessionSettings)
     prompt_model: str | None = None
 
 
@@ -87,15 +84,13 @@ def method_factory(spec: EvalSpec, name: str) -> Callable[[], StreamMethod]:
         engine, foa = split_overrides(spec.overrides)
         config = foa if spec_of(name).kind == "foa" else engine
         path = model_for(spec, name)
-        return lambda: load_method(path, name, config, spec.seed, spec.provider, spec.threads,
-                                   io_binding=spec.io_binding, split=spec.split_sessions,
-                                   memory_budget_mb=spec.memory_budget_mb)
+        return lambda: load_method(path, name, config, spec.seed, spec.session)
     import torch
 
     from .backprop import BackpropTTA, load_torch_source
 
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
+    if spec.session.threads:
+        torch.set_num_threads(spec.session.threads)
     metadata = read_metadata(spec.model)
     if metadata.quantization:
         raise ValueError(

@@ -32,6 +32,7 @@ from eva0_edge.bench.testbed.corruptions import CORRUPTIONS
 from eva0_edge.bench.testbed.evaluate import EvalSpec, load_domains, method_factory
 from eva0_edge.bench.testbed.protocols import run_protocol
 from eva0_edge.runtime.modelfile import load_onnx, read_metadata, save_onnx, set_metadata
+from eva0_edge.runtime.session import SessionSettings
 
 
 def accuracy(spec: EvalSpec, name: str, domains, batch: int) -> dict[str, float]:
@@ -87,7 +88,7 @@ def main() -> None:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     base = EvalSpec(model=args.model, dataset="fmnist-c", protocol="continual", severity=5,
                     batch_size=batches[0], methods=["noadapt"], split="val", limit=args.limit,
-                    threads=1, corruptions=[*CORRUPTIONS, "clean"])
+                    session=SessionSettings(threads=1), corruptions=[*CORRUPTIONS, "clean"])
     once = load_domains(base, progress=False)
     domains = [replace(d, name=f"{d.name}@{i}" if args.passes > 1 else d.name)
                for i in range(1, args.passes + 1) for d in once]

@@ -64,6 +64,7 @@ from eva0_edge.runtime.foa import FOA_METHODS, FOAConfig
 from eva0_edge.runtime.methods import is_prompt_method
 from eva0_edge.runtime.modelfile import load_onnx, read_metadata, save_onnx, set_metadata
 from eva0_edge.runtime.policy import Policy
+from eva0_edge.runtime.session import SessionSettings
 
 PROTOCOLS = ("single", "continual")
 SCALES = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
@@ -97,7 +98,8 @@ def score(
     common = dict(
         model=args.model, dataset="fmnist-c", severity=args.severity, batch_size=64,
         methods=[method], batch_sizes=args.batch_sizes, split="val",
-        overrides={**args.fixed, **overrides}, provider="cpu", threads=args.threads,
+        overrides={**args.fixed, **overrides},
+        session=SessionSettings(provider="cpu", threads=args.threads),
     )
     cells, forwards, bounds = {}, {}, {}
     for protocol in args.protocols:
@@ -144,7 +146,8 @@ def tune_prompt_method(args: argparse.Namespace) -> None:
         spec = EvalSpec(
             model=args.model, dataset="fmnist-c", protocol="single", severity=args.severity,
             batch_size=args.batch_sizes[-1], methods=[args.method], limit=args.limit,
-            split="val", overrides=config, provider="cpu", threads=args.threads,
+            split="val", overrides=config,
+            session=SessionSettings(provider="cpu", threads=args.threads),
         )
         rows.append({**config, "val_accuracy": evaluate(spec, progress=False)[args.method].average})
         print(json.dumps(rows[-1]), flush=True)

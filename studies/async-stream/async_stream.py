@@ -27,6 +27,7 @@ from eva0_edge.bench.testbed.evaluate import EvalSpec
 from eva0_edge.bench.testbed.machine import environment
 from eva0_edge.bench.testbed.output import machine_line, pyplot, save_figure, write_outputs
 from eva0_edge.bench.testbed.streams import continual_stream, per_domain, serve_stream
+from eva0_edge.runtime.session import SessionSettings
 
 
 def runs(budgets: list[str]) -> list[tuple[str, str, tuple[str, ...]]]:
@@ -42,7 +43,8 @@ def runs(budgets: list[str]) -> list[tuple[str, str, tuple[str, ...]]]:
 def run(model: str, limit: int, clients: int, budgets: list[str], threads: int,
         seed: int = 0) -> dict[str, Any]:
     spec = EvalSpec(model=model, dataset="fmnist-c", protocol="continual", severity=5,
-                    batch_size=1, methods=["noadapt"], limit=limit, seed=seed, threads=threads)
+                    batch_size=1, methods=["noadapt"], limit=limit, seed=seed,
+                    session=SessionSettings(threads=threads))
     names, x, y = continual_stream(spec)
     name = Path(model).stem
     env_start = environment()

@@ -10,7 +10,7 @@ seconds.
         --replicas 4 --every 0,25 --seeds 1,2 --out out/fleet-sim
 
 Every fleet run divides the model's activation-shift window among the replicas as the served
-fleet does (:func:`eva0_edge.fleet.serve.shared_stream_load`); ``--undivided`` keeps it whole.
+fleet does (:func:`eva0_edge.fleet.serve.shared_stream_config`); ``--undivided`` keeps it whole.
 Output: a table (mean accuracy over the 15 corruptions, per seed and on average),
 ``fleet_sim.json`` and ``fleet_sim.md``.
 """
@@ -28,11 +28,12 @@ from eva0_edge.bench.testbed.evaluate import EvalSpec
 from eva0_edge.bench.testbed.machine import environment
 from eva0_edge.bench.testbed.output import machine_line, write_outputs
 from eva0_edge.bench.testbed.streams import continual_stream, per_domain
-from eva0_edge.fleet.serve import shared_stream_load
+from eva0_edge.fleet.serve import shared_stream_config
 from eva0_edge.fleet.state_actor import FleetConfig, FleetState
 from eva0_edge.fleet.sync import FleetSync, InlineWorker, local_actor
 from eva0_edge.runtime.config import parse_key_values
 from eva0_edge.runtime.policy import Policy
+from eva0_edge.runtime.session import SessionSettings
 
 
 def one_process(model: str, method: str, config: dict[str, Any], x: np.ndarray, batch: int,
@@ -74,12 +75,12 @@ def run(model: str, method: str, config: dict[str, Any], limit: int, replicas: i
         batch: int, one_batches: list[int], everies: list[int], combine: str,
         seeds: list[int], divided: bool) -> dict[str, Any]:
     spec = EvalSpec(model=model, dataset="fmnist-c", protocol="continual", severity=5,
-                    batch_size=batch, methods=[method], limit=limit, threads=1)
+                    batch_size=batch, methods=[method], limit=limit,
+                    session=SessionSettings(threads=1))
     env_start = environment()
     names, x, y = continual_stream(spec)
     probe = Policy.load(model, method, config or None, threads=1)
-    load = {"config": config}
-    replica_config = shared_stream_load(load, probe, replicas)["config"] if divided else config
+    replica_config = shared_stream_config(config, probe, replicas) if divided else config
     rows: dict[str, dict[str, float]] = {}
     means: dict[str, float] = {}
     by_run: dict[str, list[float]] = {}

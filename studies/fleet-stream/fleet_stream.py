@@ -27,13 +27,14 @@ from eva0_edge.bench.testbed.evaluate import EvalSpec, evaluate
 from eva0_edge.bench.testbed.machine import environment
 from eva0_edge.bench.testbed.output import machine_line, pyplot, save_figure, write_outputs
 from eva0_edge.bench.testbed.streams import continual_stream, per_domain, serve_stream
+from eva0_edge.runtime.session import SessionSettings
 
 
 def run(model: str, replicas: int, limit: int, batch: int, clients: int, sync_every_s: float,
         threads: int, combines: tuple[str, ...] = ("mean",), seed: int = 0) -> dict[str, Any]:
     spec = EvalSpec(model=model, dataset="fmnist-c", protocol="continual", severity=5,
                     batch_size=batch, methods=["noadapt", "eva0"], limit=limit, seed=seed,
-                    threads=threads)
+                    session=SessionSettings(threads=threads))
     env_start = environment()
     local = evaluate(spec, progress=False)
     rows = {f"{m} (one process, B={batch})": r.accuracy for m, r in local.items()}

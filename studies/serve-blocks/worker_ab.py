@@ -14,13 +14,14 @@ import numpy as np
 from eva0_edge.bench.serve_load import read_metadata, stream_images
 from eva0_edge.runtime.methods import load_method
 from eva0_edge.runtime.server.worker import AdaptationWorker
+from eva0_edge.runtime.session import SessionSettings
 
 MODEL = "models/resnet_gn_fmnist.onnx"
 
 
 def started(method: str, config: dict | None, asynchronous: bool,
             every_batch: bool = False) -> AdaptationWorker:
-    model = load_method(MODEL, method, config, 0, "cpu", 1)
+    model = load_method(MODEL, method, config, 0, SessionSettings("cpu", 1))
     worker = AdaptationWorker(model, 64, 0.010, asynchronous=asynchronous)
     if every_batch:
         control = model  # the policy

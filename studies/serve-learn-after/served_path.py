@@ -15,13 +15,14 @@ from typing import Any
 
 from eva0_edge.bench.serve_load import read_metadata, stream_images
 from eva0_edge.runtime.methods import load_method
+from eva0_edge.runtime.session import SessionSettings
 
 MODEL = "models/resnet_gn_fmnist.onnx"
 
 
 def main() -> None:
     images = stream_images(read_metadata(MODEL), "gaussian_noise", 1)
-    model = load_method(MODEL, "eva0", {"budget": 1.5}, 0, "cpu", 1)
+    model = load_method(MODEL, "eva0", {"budget": 1.5}, 0, SessionSettings("cpu", 1))
     model.set_asynchronous()
     control = model  # the policy: serve_step, inputs, _after_change
     seconds: dict[str, float] = {}

@@ -10,7 +10,6 @@ import time
 import numpy as np
 import pytest
 
-from eva0_edge.runtime.methods import load_method
 from eva0_edge.runtime.policy import LEARN_BLOCK, Policy
 from eva0_edge.runtime.server.worker import AdaptationWorker
 from tests.fixtures import SHIPPED_VIT
@@ -121,7 +120,7 @@ def test_small_batches_are_learnt_from_in_blocks():
     counter then read as if the block had come as one batch."""
     config = {"budget": 1.5, "guard": False}
     blocks, whole = (Policy.load(MODEL, "eva0", config, provider="cpu") for _ in range(2))
-    plain = load_method(MODEL, "noadapt", provider="cpu")
+    plain = Policy.load(MODEL, "noadapt", provider="cpu")
     for model in (blocks, whole):
         model.set_asynchronous()
         for seed in range(8):
@@ -215,7 +214,7 @@ def test_a_pass_the_state_moved_away_from_is_dropped(started, move):
 def test_budget_one_serves_what_noadapt_shift_serves(started):
     """F = 1: no adaptation pass is paid for; every answer is noadapt-shift's, one forward."""
     model = Policy.load(MODEL, "eva0", {"budget": 1.0}, provider="cpu")
-    reference = load_method(MODEL, "noadapt-shift", provider="cpu")
+    reference = Policy.load(MODEL, "noadapt-shift", provider="cpu")
     worker = started(model, max_batch=3)
     for seed in range(5):
         x = images(3, seed)

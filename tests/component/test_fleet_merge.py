@@ -250,20 +250,19 @@ def test_a_replica_keeps_its_own_shift_windows_across_a_merge():
 
 
 def test_the_shift_window_is_divided_among_replicas_that_share_a_stream():
-    from eva0_edge.fleet.serve import shared_stream_load
+    from eva0_edge.fleet.serve import shared_stream_config
     from eva0_edge.runtime.policy import Policy
     from tests.fixtures import MODEL
 
     probe = Policy.load(MODEL, "eva0", threads=1)
-    load = {"path": str(MODEL), "name": "eva0", "config": {}}
     window = probe.config.shift_window
     assert probe.config.activation_shift > 0
-    assert shared_stream_load(load, probe, 4)["config"]["shift_window"] == window / 4
-    assert shared_stream_load(load, probe, 1000)["config"]["shift_window"] == 1.0
-    own = {**load, "config": {"shift_window": 100.0}}
-    assert shared_stream_load(own, probe, 4) == own  # the user's value is the replica's own
+    assert shared_stream_config({}, probe, 4)["shift_window"] == window / 4
+    assert shared_stream_config({"eta": 0.1}, probe, 1000) == {"eta": 0.1, "shift_window": 1.0}
+    own = {"shift_window": 100.0}
+    assert shared_stream_config(own, probe, 4) == own  # the user's value is the replica's own
     unshifted = Policy.load(MODEL, "eva0", {"activation_shift": 0.0}, threads=1)
-    assert shared_stream_load(load, unshifted, 4) == load
+    assert shared_stream_config({}, unshifted, 4) == {}
 
 
 def test_a_fleet_of_one_merging_with_itself_is_one_process():

@@ -11,6 +11,7 @@ from eva0_edge.runtime.engine import METHODS
 from eva0_edge.runtime.foa import FOA_METHODS
 from eva0_edge.runtime.methods import RUNTIME_METHODS, load_method
 from eva0_edge.runtime.registry import REGISTRY, MethodSpec, method_names, register, spec_of
+from eva0_edge.runtime.session import SessionSettings
 from tests.fixtures import MODEL
 
 
@@ -44,7 +45,7 @@ def test_specs_parse_fp_and_refuse_unknown_or_duplicate_names():
 def test_every_theta_method_loads_and_steps_on_the_shipped_model(name):
     import numpy as np
 
-    model = load_method(MODEL, name, provider="cpu", threads=1)
+    model = load_method(MODEL, name, session=SessionSettings(provider="cpu", threads=1))
     x = np.zeros((2, *model.metadata.preprocessing.input_size), np.float32)
     assert model.step(x).shape == (2, model.metadata.num_classes)
     assert model.stats()["forwards_per_sample"] == REGISTRY[name].forwards_per_sample
@@ -53,4 +54,4 @@ def test_every_theta_method_loads_and_steps_on_the_shipped_model(name):
 @pytest.mark.parametrize("name", method_names("engine", "foa", prompt_model=True))
 def test_prompt_methods_refuse_a_theta_model_by_name(name):
     with pytest.raises(ValueError, match="prompt"):
-        load_method(MODEL, name, provider="cpu")
+        load_method(MODEL, name, session=SessionSettings(provider="cpu"))

@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import pytest
 
-from eva0_edge.runtime.methods import load_method
+from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.session import AdaptableSession
 from eva0_edge.runtime.split import split_files
 from tests.fixtures import SHIPPED, uniform_batch
@@ -53,8 +53,8 @@ def test_a_budget_below_the_whole_call_runs_the_copies_in_several_calls():
 
 def test_split_steps_equal_one_file_steps():
     path = SHIPPED[1]
-    whole = load_method(path, "eva0", {"guard": False}, seed=2, provider="cpu")
-    split = load_method(path, "eva0", {"guard": False}, seed=2, provider="cpu", split=True)
+    whole = Policy.load(path, "eva0", {"guard": False}, seed=2, provider="cpu")
+    split = Policy.load(path, "eva0", {"guard": False}, seed=2, provider="cpu", split=True)
     for i, batch in enumerate((1, 4, 4)):
         x = uniform_batch(batch, seed=i)
         np.testing.assert_allclose(split.step(x), whole.step(x), atol=1e-5)

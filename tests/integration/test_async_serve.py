@@ -8,14 +8,14 @@ import json
 import pytest
 import tritonclient.http as httpclient
 
-from eva0_edge.runtime.methods import load_method
+from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.server.worker import AdaptationWorker
 from tests.component.test_async_serve import MODEL, images, wait_for
 from tests.fixtures import ServerProcess, http_call
 
 
 def test_a_method_without_a_separate_step_is_refused(prompt_vit):
-    model = load_method(prompt_vit.onnx_path, "foa@4", provider="cpu")
+    model = Policy.load(prompt_vit.onnx_path, "foa@4", provider="cpu")
     with pytest.raises(ValueError, match="asynchronous adaptation"):
         AdaptationWorker(model, 8, 0.0, asynchronous=True)
 

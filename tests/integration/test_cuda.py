@@ -10,8 +10,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from eva0_edge.runtime.methods import load_method
 from eva0_edge.runtime.modelfile import read_metadata
+from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.session import AdaptableSession
 from tests.fixtures import SHIPPED_RESNET_GN, SHIPPED_VIT
 
@@ -52,9 +52,9 @@ def test_cuda_adaptation_follows_cpu(path, mode):
     The CUDA default: split sessions through IOBinding, the perturbations drawn ahead.
     (Random images would trip the health guard, which then rolls both back: it is off.)"""
     config = {"guard": False}
-    cpu = load_method(path, "eva0", config, seed=0, provider="cpu")
-    cuda = load_method(path, "eva0", config, seed=0, provider="cuda", **mode)
-    assert cuda.session.io_binding and cuda.estimator.prefetch is not None
+    cpu = Policy.load(path, "eva0", config, seed=0, provider="cpu")
+    cuda = Policy.load(path, "eva0", config, seed=0, provider="cuda", **mode)
+    assert cuda.session.io_binding and cuda.model.estimator.prefetch is not None
     assert (cuda.session.parts is not None) == ("split" not in mode)
     agree = total = 0
     for i in range(10):
@@ -76,7 +76,7 @@ def test_cuda_budget_follows_cpu(path):
     the same batches adapted on as on the CPU (the forward counters agree), the same
     predictions up to rounding."""
     config = {"guard": False, "budget": 1.5}
-    models = [load_method(path, "eva0", config, seed=0, provider=p) for p in ("cpu", "cuda")]
+    models = [Policy.load(path, "eva0", config, seed=0, provider=p) for p in ("cpu", "cuda")]
     for model in models:
         model.budget.dense = False  # a stream already learnt: adapt whenever the bucket is full
     agree = total = 0

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from eva0_edge.bench.testbed.evaluate import EvalSpec, evaluate
+from eva0_edge.runtime.session import SessionSettings
 from tests.fixtures import MODEL
 
 
@@ -28,7 +29,8 @@ def test_fan_out_equals_the_local_run(local_ray, protocol, tmp_path):
     spec = EvalSpec(
         model=str(MODEL), dataset="fmnist-c", protocol=protocol, severity=5, batch_size=8,
         methods=["noadapt", "eva0"], batch_sizes=[1, 8],
-        corruptions=["gaussian_noise", "fog", "contrast"], limit=24, threads=1,
+        corruptions=["gaussian_noise", "fog", "contrast"], limit=24,
+        session=SessionSettings(threads=1),
     )
     local = evaluate(spec, progress=False)
     fanned = evaluate_on_ray(spec, out_dir=tmp_path)

@@ -15,6 +15,7 @@ from eva0_edge.runtime.guard import GuardBounds, HealthGuard
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.preprocess import preprocess_uint8
+from eva0_edge.runtime.session import SessionSettings
 from tests.fixtures import SHIPPED
 
 RESNET = SHIPPED[1]
@@ -304,7 +305,7 @@ def test_a_return_to_clean_images_after_noise_frames_is_judged_on_the_clean_imag
     vit = SHIPPED[0]
     spec = EvalSpec(model=str(vit), dataset="fmnist-c", protocol="continual", severity=5,
                     batch_size=16, methods=["eva0"], corruptions=["frost", "noise", "clean"],
-                    limit=512, threads=1)
+                    limit=512, session=SessionSettings(threads=1))
     domains = load_domains(spec, progress=False)
     pre = read_metadata(vit).preprocessing
     clean_hits = {}

@@ -6,16 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eva0_edge.runtime.methods import load_method
+from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.session import AdaptableSession
 from tests.fixtures import uniform_batch
 
 
 @pytest.mark.parametrize("method", ["eva0", "zoa"])
 def test_bound_steps_equal_plain_steps(small_model, method):
-    plain = load_method(small_model.onnx_path, method, seed=3, provider="cpu")
-    bound = load_method(small_model.onnx_path, method, seed=3, provider="cpu", io_binding=True)
-    lean = load_method(small_model.onnx_path, method, seed=3, provider="cpu", io_binding=True,
+    plain = Policy.load(small_model.onnx_path, method, seed=3, provider="cpu")
+    bound = Policy.load(small_model.onnx_path, method, seed=3, provider="cpu", io_binding=True)
+    lean = Policy.load(small_model.onnx_path, method, seed=3, provider="cpu", io_binding=True,
                        low_memory=True)
     for i, batch in enumerate((1, 4, 4, 2)):
         x = uniform_batch(batch, seed=i)
@@ -27,7 +27,7 @@ def test_bound_steps_equal_plain_steps(small_model, method):
 
 
 def test_returned_logits_survive_later_calls(small_vit):
-    model = load_method(small_vit.onnx_path, "zoa", seed=0, provider="cpu", io_binding=True)
+    model = Policy.load(small_vit.onnx_path, "zoa", seed=0, provider="cpu", io_binding=True)
     x, y = uniform_batch(2, seed=0), uniform_batch(2, seed=1)
     first_step = model.step(x)
     kept_step = first_step.copy()
@@ -57,8 +57,8 @@ def test_outputs_are_written_into_reused_buffers(small_vit):
 
 
 def test_foa_through_io_binding_equals_plain(prompt_vit):
-    plain = load_method(prompt_vit.onnx_path, "foa", seed=0, provider="cpu")
-    bound = load_method(prompt_vit.onnx_path, "foa", seed=0, provider="cpu", io_binding=True)
+    plain = Policy.load(prompt_vit.onnx_path, "foa", seed=0, provider="cpu")
+    bound = Policy.load(prompt_vit.onnx_path, "foa", seed=0, provider="cpu", io_binding=True)
     for i in range(2):
         x = uniform_batch(2, seed=i)
         np.testing.assert_array_equal(bound.step(x), plain.step(x))

@@ -9,7 +9,6 @@ import onnxruntime as ort
 import pytest
 
 from eva0_edge.runtime.foa import FOAModel
-from eva0_edge.runtime.methods import load_method
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.policy import Policy
 from tests.component.test_prompt import batch
@@ -108,7 +107,7 @@ def test_bad_forward_budgets_and_models_are_refused(prompt_vit, small_vit):
 
 @pytest.mark.parametrize(("method", "fp"), [("foa", 28), ("foa-dagger@6", 6), ("foa@2", 2)])
 def test_foa_honours_the_forward_budget(prompt_vit, method, fp):
-    model = load_method(prompt_vit.onnx_path, method, provider="cpu")
+    model = Policy.load(prompt_vit.onnx_path, method, provider="cpu")
     assert isinstance(model.model, FOAModel)
     for _ in range(2):
         logits = model.step(batch(3))

@@ -22,9 +22,11 @@ def test_prompt_methods_run_without_torch(prompt_vit):
         f"""
         import numpy as np
         from eva0_edge.runtime.methods import load_method
+        from eva0_edge.runtime.session import SessionSettings
         x = np.zeros((2, 3, 32, 32), dtype=np.float32)
         for name in ("foa", "foa-dagger@5", "eva0-clubs@4"):
-            model = load_method({str(prompt_vit.onnx_path)!r}, name, provider="cpu")
+            model = load_method({str(prompt_vit.onnx_path)!r}, name,
+                                session=SessionSettings(provider="cpu"))
             assert model.step(x).shape == (2, 10)
         assert "torch" not in sys.modules
         print("ok")

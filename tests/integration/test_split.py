@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from eva0_edge.quant import quantize_model
-from eva0_edge.runtime.methods import load_method
+from eva0_edge.runtime.policy import Policy
 from tests.fixtures import uniform_batch
 
 
@@ -17,7 +17,7 @@ def test_quantized_and_prompt_models_take_the_same_path(calibrated_vit, prompt_v
     x = uniform_batch(2, seed=3)
     for path, method in ((quantized, "eva0"), (prompt_vit.onnx_path, "foa")):
         config = {"guard": False} if method == "eva0" else None
-        whole = load_method(path, method, config, seed=1, provider="cpu")
-        split = load_method(path, method, config, seed=1, provider="cpu", split=True)
+        whole = Policy.load(path, method, config, seed=1, provider="cpu")
+        split = Policy.load(path, method, config, seed=1, provider="cpu", split=True)
         for _ in range(2):
             np.testing.assert_allclose(split.step(x), whole.step(x), atol=1e-4)
