@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,10 +40,11 @@ from .metadata import ModelMetadata
 from .monitoring import Health, StepStats
 from .perturbation import AnchorShare
 from .registry import REGISTRY, MethodSpec, parse_method
+from .served import ServedForward
 from .session import AdaptableSession
 from .shift import configured_shift
-from .state import AdaptState, StateError, check_state_sizes
-from .statelimits import state_limits, state_sizes
+from .state import AdaptState
+from .statelimits import state_limits
 from .update import apply_update
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class AdaptiveModel:
     update -> state. What happens to a batch is decided by the :class:`~.policy.Policy` that
     owns it (``load_method`` returns that).
 
-    >>> model = AdaptiveModel.load("vit.onnx", method="eva0", seed=0)
+    >>> model = AdaptiveModel(AdaptableSession("vit.onnx"), method="eva0", seed=0)
     >>> served, shift_changed, prediction = model.adapt(model.session.check_input(x))
 
     ``prefetch``: draw the next step's perturbations on a worker thread while ORT runs the
@@ -124,20 +124,10 @@ class AdaptiveModel:
         self.shift = configured_shift(session, self.config, self.method,
                                       "activation_shift" in {**fp, **(config or {})})
         self.limits = state_limits(self.config, self.metadata, self.source_stats, self.shift)
+        self.forward = ServedForward(session, self.shift)
         self.seed = int(seed)
-        self.last = StepStats()
         self._generation = 0  # counts the jumps of theta that are not steps (see current)
         self.reset()
-
-    @classmethod
-    def load(
-        cls, path: str | os.PathLike, method: str = "eva0",
-        config: dict[str, Any] | None = None, seed: int = 0, prefetch: bool | None = None,
-        **session: Any,
-    ) -> AdaptiveModel:
-        """Open an adaptable ``.onnx`` file with ONNX Runtime; ``session``: the options of
-        :class:`AdaptableSession` (``provider``, ``threads``, ``low_memory``, ``io_binding``)."""
-        return cls(AdaptableSession(path, None, **session), method, config, seed, prefetch)
 
     @property
     def method(self) -> str:
@@ -150,7 +140,12 @@ class AdaptiveModel:
         self.state = AdaptState.initial(md.theta0, md.num_classes, md.num_features, self.seed)
         self._generation += 1
         self._share = AnchorShare(self.config.anchor_per_64)
-        self.last = StepStats()
+        self.forward.last = StepStats()
+
+    @property
+    def last(self) -> StepStats:
+        """What the last batch handed out was (entropy, norm, skipped, anchor rows)."""
+        return self.forward.last
 
     @property
     def frozen(self) -> bool:
@@ -160,22 +155,8 @@ class AdaptiveModel:
         """Predict with the current theta and stop adapting (``frozen``), or resume."""
         self.state.frozen = bool(frozen)
 
-    def state_sizes(self) -> dict[str, int]:
-        """Elements of every state array for this model."""
-        return state_sizes(self.metadata)
-
-    def check_state(self, state: AdaptState) -> None:
-        """Shapes, then magnitudes against this model (:mod:`.statelimits`); StateError."""
-        check_state_sizes(state, self.state_sizes())
-        for name in ("shift_mean", "shift_recent"):
-            size = getattr(state, name).size
-            if self.shift is not None and size not in (0, self.shift.head.width):
-                raise StateError(f"state {name} has {size} values; this model's head input "
-                                 f"has {self.shift.head.width}")
-        self.limits.check(state)
-
     def install(self, state: AdaptState) -> None:
-        """Make a checked ``state`` (:meth:`check_state`) the model's."""
+        """Make ``state``, checked against :attr:`limits` (sizes and bounds), the model's."""
         self.state = state
         self._generation += 1
         self.seed = state.seed
@@ -229,38 +210,30 @@ class AdaptiveModel:
     # ----------------------------------------------------------------- inference
     def predict(self, x: np.ndarray) -> np.ndarray:
         """Logits [B, K] under the current theta, one forward per sample, no adaptation."""
-        logits, _ = self._forward(self.session.check_input(x))
-        return self._serve(logits)
-
-    def _forward(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(logits [B, K], features [B, F]) under the current theta on the checked batch x,
-        one forward per sample."""
-        theta = np.broadcast_to(self.state.theta, (x.shape[0], self.state.theta.size))
-        logits, features = self.session.run(x, theta)
-        self.session.counter.samples += x.shape[0]
-        return logits, features
+        logits, _ = self.forward.run(self.session.check_input(x), self.state.theta)
+        return self.forward.hand_out(logits, self.state)
 
     def serve(self, x: np.ndarray) -> tuple[np.ndarray, bool]:
         """One forward at the current theta on the checked batch x [B, C, H, W]
         (``session.check_input``), served: logits [B, K] (the activation shift learns from the
         batch), and whether the shift's change detector saw a new stream in it."""
-        return self.serve_outputs(*self._forward(x))
+        return self.serve_outputs(*self.forward.run(x, self.state.theta))
 
     def answer(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`serve` without the learning: the served logits [B, K] (shifted by what the
-        samples before the batch taught the activation shift) and the features [B, F] (owned)
-        for :meth:`learn_served`."""
-        logits, features = self._forward(x)
-        return self._serve(logits), self.session.owned(features)
+        """:meth:`serve` without the learning: the served logits [B, K] and the features [B, F]
+        (owned) for :meth:`learn_served`."""
+        logits, features = self.forward.run(x, self.state.theta)
+        return self.forward.hand_out(logits, self.state), self.session.owned(features)
 
     def learn_served(self, features: np.ndarray) -> bool:
-        """The served rows' ``features`` [B, F] (stream order) enter the activation shift's
-        window; whether its change detector saw a new stream in them."""
-        if self.shift is None:
-            return False
-        changes = self.shift.changes
-        self.shift.observe(self.state, features)
-        return self.shift.changes > changes
+        """The served rows' ``features`` [B, F] enter the shift's window (see :mod:`.served`)."""
+        return self.forward.learn(self.state, features)
+
+    def serve_outputs(
+        self, logits: np.ndarray, features: np.ndarray
+    ) -> tuple[np.ndarray, bool]:
+        """Hand out ``logits`` [B, K], then learn from ``features`` [B, F] (:mod:`.served`)."""
+        return self.forward.hand_out(logits, self.state), self.forward.learn(self.state, features)
 
     def adapt(self, x: np.ndarray) -> tuple[np.ndarray, bool, np.ndarray | None]:
         """The method's step on the checked batch x [B, C, H, W]: the gradient estimate (one
@@ -276,19 +249,13 @@ class AdaptiveModel:
     def begin_served(self, x: np.ndarray) -> ServedPass:
         """Begin the method's step on a checked batch x [B, C, H, W] that was already served
         (the asynchronous server's :class:`~.policy.AdaptationPass`): the perturbed rows now,
-        then :meth:`run_served`, then :meth:`finish_served` while the pass is :meth:`current`. As
+        then their ORT call, then :meth:`finish_served` while the pass is :meth:`current`. As
         :meth:`adapt`, but nothing is served, the activation shift does not see the batch
         again and its samples are not counted again (its rows are)."""
         n_anchor = self._anchor_rows(x.shape[0])
         st = self.state
         prepared = self.estimator.prepare(x, st, self.seed, st.step, n_anchor)
         return ServedPass(x, st, st.step, self._generation, n_anchor, prepared)
-
-    def run_served(self, served: ServedPass) -> tuple[np.ndarray, np.ndarray]:
-        """The pass's ORT call over its #FP x B rows: (logits, features). It touches no Python
-        state but the forward counter (locked), so it may run on another thread while that
-        one serves (when ``session.concurrent_calls``), holding the GIL only to enter ORT."""
-        return self.session.run(served.x, served.prepared.rows)
 
     def current(self, served: ServedPass) -> bool:
         """Whether the state is still the one the pass began on, at the same step: no reset,
@@ -348,31 +315,6 @@ class AdaptiveModel:
         x = self.session.check_input(x)
         index = self.state.step if step_index is None else int(step_index)
         return self.estimator.estimate(x, self.state, self.seed, index, 0, control=False)
-
-    # ----------------------------------------------------------------- internals
-    def _logit_offset(self) -> np.ndarray:
-        """The activation shift's offset [K] on the logits (zero with the shift off)."""
-        if self.shift is None:
-            return np.zeros(self.metadata.num_classes)
-        return self.shift.offset(self.state)
-
-    def _serve(self, logits: np.ndarray) -> np.ndarray:
-        """The logits [B, K] to hand out: shifted by what the samples before this batch
-        taught the activation shift. An owned copy, recorded in ``last``."""
-        served = self.session.owned(logits)
-        if self.shift is not None:
-            served = (served + self._logit_offset()).astype(logits.dtype)
-        self._record(served)
-        return served
-
-    def serve_outputs(
-        self, logits: np.ndarray, features: np.ndarray
-    ) -> tuple[np.ndarray, bool]:
-        """:meth:`_serve`, and whether the shift's change detector saw a new stream in it."""
-        return self._serve(logits), self.learn_served(features)
-
-    def _record(self, prediction: np.ndarray) -> None:
-        self.last = StepStats.of(prediction)
 
     def _skip(self, why: str) -> None:
         self.state.skipped += 1

@@ -27,7 +27,6 @@ on the drift and alignment of adapted norm parameters, and a prompt's would need
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,7 +96,7 @@ class FOAModel:
     :class:`~.policy.Policy` that owns it (the compute budget; no guard, no kept state). The
     search (the CMA-ES object, the best prompt, the shifting's EMA) lives here.
 
-    >>> model = FOAModel.load("vit_prompt.onnx", "foa", seed=0)
+    >>> model = FOAModel(AdaptableSession("vit_prompt.onnx"), "foa", seed=0)
     >>> logits, _, _ = model.adapt(model.session.check_input(x))  # [B, K]; K forwards/sample
     """
 
@@ -143,15 +142,6 @@ class FOAModel:
         self.seed = int(seed)
         self.warned_small_batch = False  # warn once per model, not per reset
         self.reset()
-
-    @classmethod
-    def load(
-        cls, path: str | os.PathLike, method: str = "foa",
-        config: dict[str, Any] | None = None, seed: int = 0, **session: Any,
-    ) -> FOAModel:
-        """Open a prompt model with ONNX Runtime; ``session``: the options of
-        :class:`AdaptableSession` (``low_memory``: one ORT call per candidate)."""
-        return cls(AdaptableSession(path, None, **session), method, config, seed)
 
     @property
     def method(self) -> str:

@@ -83,9 +83,11 @@ class AdaptationPass:
         return int(self.served.x.shape[0])
 
     def run(self) -> tuple[np.ndarray, np.ndarray]:
-        """The pass's ORT call: (logits, features) over its perturbed rows. It touches no
-        Python state but the forward counter (locked)."""
-        return self._model.run_served(self.served)
+        """The pass's ORT call: (logits, features) over its #FP x B perturbed rows. It touches
+        no Python state but the forward counter (locked), so it may run on another thread while
+        that one serves (when ``session.concurrent_calls``), holding the GIL only to enter
+        ORT."""
+        return self._model.session.run(self.served.x, self.served.prepared.rows)
 
     def finish(self, outputs: tuple[np.ndarray, np.ndarray]) -> bool:
         """The estimate from :meth:`run`'s ``outputs`` and the update, then the guard watches
@@ -124,10 +126,11 @@ class Policy:
         from .engine import AdaptiveModel
         from .foa import FOAModel
 
+        prefetch = session.pop("prefetch", None)
+        opened = AdaptableSession(path, None, **session)
         if spec_of(method, *RUNTIME_KINDS).kind == "foa":
-            session.pop("prefetch", None)
-            return cls(FOAModel.load(path, method, config, seed, **session))
-        return cls(AdaptiveModel.load(path, method, config, seed, **session))
+            return cls(FOAModel(opened, method, config, seed))
+        return cls(AdaptiveModel(opened, method, config, seed, prefetch))
 
     def _restart(self) -> None:
         """New guard, budget and input change detector windows (a reset, a state installed)."""
@@ -272,7 +275,7 @@ class Policy:
     def load_state_dict(self, values: dict[str, Any]) -> None:
         """Replace the state; shapes are checked before anything changes."""
         state = AdaptState.from_dict(values)
-        self._engine().check_state(state)
+        self._engine().limits.check(state)
         self._install(state)
 
     def state_bytes(self) -> bytes:
@@ -285,8 +288,8 @@ class Policy:
         first, checksum, fingerprint, every value and shape) without touching the current
         state, so it may run on any thread; StateError names what is wrong."""
         m = self._engine()
-        state, _ = decode_state(data, m.fingerprint, m.state_sizes())
-        m.check_state(state)
+        state, _ = decode_state(data, m.fingerprint, self.state_sizes())
+        m.limits.check(state)
         return state
 
     def install_state(self, state: AdaptState) -> None:
@@ -303,13 +306,15 @@ class Policy:
     def load_state(self, path: str | os.PathLike) -> None:
         """Load a state file written by :meth:`save_state` for this model."""
         m = self._engine()
-        state, _ = read_state_file(path, m.fingerprint, m.state_sizes())
-        m.check_state(state)
+        state, _ = read_state_file(path, m.fingerprint, self.state_sizes())
+        m.limits.check(state)
         self._install(state)
 
     def state_sizes(self) -> dict[str, int]:
         """Elements of every state array for this model."""
-        return self._engine().state_sizes()
+        sizes = self._engine().limits.sizes
+        assert sizes is not None  # state_limits sets them
+        return sizes
 
     def _install(self, state: AdaptState) -> None:
         self._engine().install(state)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .state import AdaptState, StateError
+from .state import AdaptState, StateError, check_state_sizes
 
 if TYPE_CHECKING:
     from .config import AdaptConfig
@@ -48,7 +48,8 @@ SCALE_MARGIN = 10.0  # the activation and feature bounds: 10x the source's scale
 class StateLimits:
     """The bounds of one model and method. theta0: [P]; shift_source: the source head mean
     [D] (None: no shift); feature_energy: the bound on ``sum(second_moment)`` (None: no source
-    statistics)."""
+    statistics); sizes: the elements of every state array (None: not checked here);
+    shift_width: the head input's width D the shift windows hold (None: no shift)."""
 
     theta0: np.ndarray
     theta_radius: float
@@ -58,9 +59,19 @@ class StateLimits:
     shift_radius: float = np.inf
     shift_square_max: float = np.inf
     feature_energy: float | None = None
+    sizes: dict[str, int] | None = None
+    shift_width: int | None = None
 
     def check(self, state: AdaptState) -> None:
-        """StateError naming the first field beyond its bound; nothing else happens."""
+        """StateError naming the first field of the wrong size or beyond its bound (sizes
+        first, then magnitudes); nothing else happens."""
+        if self.sizes is not None:
+            check_state_sizes(state, self.sizes)
+        for name in ("shift_mean", "shift_recent"):
+            size = getattr(state, name).size
+            if self.shift_width is not None and size not in (0, self.shift_width):
+                raise StateError(f"state {name} has {size} values; this model's head input "
+                                 f"has {self.shift_width}")
         theta0 = self.theta0.astype(np.float64)
         for name in ("theta", "anchor", "healthy_theta"):
             distance = float(np.linalg.norm(getattr(state, name) - theta0))
@@ -126,6 +137,7 @@ def state_limits(
     limits = StateLimits(
         metadata.theta0.astype(np.float32), theta_radius, config.eta,
         max(config.guard_pause, config.guard_warmup) + MAX_PAUSE_BATCH,
+        sizes=state_sizes(metadata), shift_width=None if shift is None else shift.head.width,
     )
     if source_stats is not None:
         mean, std = source_stats

@@ -102,7 +102,7 @@ def served_logits(model: Path, images: np.ndarray, asynchronous: bool, log: Path
     sys.path.insert(0, str(ROOT))
     import tritonclient.http as httpclient
 
-    from tests.serving import ServerProcess, http_call
+    from tests.fixtures import ServerProcess, http_call
 
     args = ("--async-adapt",) if asynchronous else ()
     server = ServerProcess(log, *args, "--max-batch", str(SERVED_BATCH), model=model)

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from eva0_edge.runtime.policy import LEARN_BLOCK, Policy
+from eva0_edge.runtime.policy import LEARN_BLOCK, AdaptationPass, Policy
 from eva0_edge.runtime.server.worker import AdaptationWorker
 from tests.fixtures import SHIPPED_VIT
 
@@ -153,28 +153,28 @@ def test_what_reads_the_state_sees_the_served_samples_learnt_from(started):
     assert samples == 3 and weight == pytest.approx(1 - model.shift.factor**3)
 
 
-def held_passes(model: Policy) -> tuple[threading.Event, list[tuple[int, int]]]:
-    """Make the model's pass ORT calls wait for the returned event; the list collects each
-    call's thread id and that thread's scheduling policy."""
+def held_passes(monkeypatch) -> tuple[threading.Event, list[tuple[int, int]]]:
+    """Make every pass's ORT call (``AdaptationPass.run``) wait for the returned event; the
+    list collects each call's thread id and that thread's scheduling policy."""
     release, seen = threading.Event(), []
-    run = model.model.run_served
+    run = AdaptationPass.run
 
-    def held(served):
+    def held(adaptation):
         seen.append((threading.get_ident(), os.sched_getscheduler(threading.get_native_id())))
         assert release.wait(30)
-        return run(served)
+        return run(adaptation)
 
-    model.model.run_served = held
+    monkeypatch.setattr(AdaptationPass, "run", held)
     return release, seen
 
 
-def test_serving_goes_on_while_a_pass_runs(started):
+def test_serving_goes_on_while_a_pass_runs(started, monkeypatch):
     """A running pass holds no request: the next batch is answered at the theta before the
     pass, by the worker, while the pass's ORT call runs on the pass thread (scheduled only on
     idle CPU); the update lands once the call is done."""
     model = Policy.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
     reference = Policy.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
-    release, seen = held_passes(model)
+    release, seen = held_passes(monkeypatch)
     worker = started(model, max_batch=4)
     worker.submit(images(4, 0)).result(30)
     wait_for(lambda: seen != [])
@@ -195,11 +195,11 @@ def test_serving_goes_on_while_a_pass_runs(started):
     lambda m: m.model.roll_back(m.metadata.theta0),  # the guard's: the same state object
     lambda m: m.load_state_bytes(m.state_bytes()),
 ], ids=["reset", "roll-back", "state-installed"])
-def test_a_pass_the_state_moved_away_from_is_dropped(started, move):
+def test_a_pass_the_state_moved_away_from_is_dropped(started, move, monkeypatch):
     """A reset, roll-back or installed state while the pass's ORT call runs: its update is of a
     theta no longer there, so it is dropped (counted), and theta stays theta0."""
     model = Policy.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
-    release, seen = held_passes(model)
+    release, seen = held_passes(monkeypatch)
     worker = started(model, max_batch=4)
     worker.submit(images(4, 0)).result(30)
     wait_for(lambda: seen != [])
