@@ -18,7 +18,7 @@ A non-finite loss, gradient or theta is never written: the step is skipped and c
 
 Steps 1-4 are :class:`~.estimator.ZerothOrderEstimator` (the objective:
 :class:`~.estimator.Objective`), step 5 :func:`~.update.apply_update`; the rates are in
-:mod:`.rates`, the state and its file format in :mod:`.state`. :class:`AdaptiveModel` holds the
+:mod:`.rates`, the state and its file format in :mod:`.state`. :class:`Engine` holds the
 state and does estimate -> update; it knows nothing of what owns it: what happens to a batch
 (serve, adapt, the health guard's duels, the compute budget) and the state's bytes and files
 are the :class:`~.policy.Policy`'s.
@@ -66,7 +66,7 @@ def model_fingerprint(metadata: ModelMetadata) -> str:
 class ServedPass:
     """An adaptation pass on a batch already served (the asynchronous server), begun on the
     thread that owns the state: the checked batch x [B, C, H, W], the state it estimates on
-    and that state's step index and generation (see :meth:`AdaptiveModel.current`) when it
+    and that state's step index and generation (see :meth:`Engine.current`) when it
     began, how many of its rows are anchor-guided, and its perturbed rows."""
 
     x: np.ndarray
@@ -77,12 +77,12 @@ class ServedPass:
     prepared: PreparedEstimate
 
 
-class AdaptiveModel:
+class Engine:
     """An adaptable model plus an EVA-0-family method and its state: config -> estimate ->
     update -> state. What happens to a batch is decided by the :class:`~.policy.Policy` that
     owns it (``load_method`` returns that).
 
-    >>> model = AdaptiveModel(AdaptableSession("vit.onnx"), method="eva0", seed=0)
+    >>> model = Engine(AdaptableSession("vit.onnx"), method="eva0", seed=0)
     >>> served, shift_changed, prediction = model.adapt(model.session.check_input(x))
 
     ``prefetch``: draw the next step's perturbations on a worker thread while ORT runs the

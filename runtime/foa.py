@@ -91,7 +91,7 @@ FOA_METHODS: dict[str, dict[str, Any]] = {
 
 
 class FOAModel:
-    """FOA or FOA-dagger over a prompt model: the batch interface of :class:`AdaptiveModel`
+    """FOA or FOA-dagger over a prompt model: the batch interface of :class:`Engine`
     (``predict``, ``serve``, ``adapt``, ``reset``, ``stats``), its batches decided by the
     :class:`~.policy.Policy` that owns it (the compute budget; no guard, no kept state). The
     search (the CMA-ES object, the best prompt, the shifting's EMA) lives here.

@@ -12,7 +12,7 @@ and, without a guard, FOA: :class:`~.foa.FOAModel` has the same ``serve`` / ``ad
 3. **frozen** (or paused without a guard): one forward at theta, served;
 4. **the compute budget says wait** (:mod:`.budget`): one forward at theta, served, the
    activation shift learning from it;
-5. **adapt**: the method's step (:meth:`~.engine.AdaptiveModel.adapt`: estimate, then update),
+5. **adapt**: the method's step (:meth:`~.engine.Engine.adapt`: estimate, then update),
    then the guard watches the prediction (checkpoint when healthy, roll back and pause when it
    trips).
 
@@ -30,7 +30,7 @@ change detector) makes the budget spend densely and starts the guard's audit at 
 guard's periodic audit starts when due. A duel runs only when the budget's credit pays for it;
 one it cannot pay for is not run and theta0 serves (:meth:`Policy._lose_duel`).
 
-The policy owns the model; the engine (:class:`~.engine.AdaptiveModel`) holds the state and
+The policy owns the model; the engine (:class:`~.engine.Engine`) holds the state and
 does estimate -> update and knows nothing of the policy. This module owns the guard, the
 budget, the input change detector and the state's bytes and files. Every path a batch can
 take: ``docs/design/batch.md``.
@@ -57,7 +57,7 @@ from .shift import ActivationShift
 from .state import AdaptState, decode_state, encode_state, read_state_file, write_state_file
 
 if TYPE_CHECKING:
-    from .engine import AdaptiveModel, ServedPass
+    from .engine import Engine, ServedPass
     from .foa import FOAModel
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class AdaptationPass:
     #FP x B rows) may run on any thread while serving goes on, :meth:`finish` (the estimate,
     the update and the guard) runs on the owning thread again."""
 
-    def __init__(self, policy: Policy, model: AdaptiveModel, served: ServedPass) -> None:
+    def __init__(self, policy: Policy, model: Engine, served: ServedPass) -> None:
         self._policy = policy
         self._model = model
         self.served = served
@@ -99,7 +99,7 @@ class AdaptationPass:
 
 class Policy:
     """An adapting model as it is used: the method's model (the EVA-0-family engine
-    :class:`~.engine.AdaptiveModel` or :class:`~.foa.FOAModel`) with its health guard, compute
+    :class:`~.engine.Engine` or :class:`~.foa.FOAModel`) with its health guard, compute
     budget and input change detector, the order in which they act on a batch (see the module's
     docstring), and the model's state as bytes and files. What the method can do (keep a
     state, run the guard, adapt apart from serving) is its registry entry's
@@ -110,7 +110,7 @@ class Policy:
     >>> logits = policy.step(x)  # predicts and adapts; x: [B, C, H, W] normalised float32
     """
 
-    def __init__(self, model: AdaptiveModel | FOAModel) -> None:
+    def __init__(self, model: Engine | FOAModel) -> None:
         self.model = model
         self.asynchronous = False
         self._restart()
@@ -122,15 +122,15 @@ class Policy:
     ) -> Policy:
         """Open an adaptable ``.onnx`` file under ``method`` (any runtime method, ``@FP``
         allowed); ``session``: the options of :class:`~.session.AdaptableSession`, and
-        ``prefetch`` for the EVA-0 family (see :class:`~.engine.AdaptiveModel`)."""
-        from .engine import AdaptiveModel
+        ``prefetch`` for the EVA-0 family (see :class:`~.engine.Engine`)."""
+        from .engine import Engine
         from .foa import FOAModel
 
         prefetch = session.pop("prefetch", None)
         opened = AdaptableSession(path, None, **session)
         if spec_of(method, *RUNTIME_KINDS).kind == "foa":
             return cls(FOAModel(opened, method, config, seed))
-        return cls(AdaptiveModel(opened, method, config, seed, prefetch))
+        return cls(Engine(opened, method, config, seed, prefetch))
 
     def _restart(self) -> None:
         """New guard, budget and input change detector windows (a reset, a state installed)."""
@@ -140,13 +140,13 @@ class Policy:
         # served batches not learnt from yet (serve_step): their checked images and features
         self._waiting: list[tuple[np.ndarray, np.ndarray]] = []
 
-    def _engine(self) -> AdaptiveModel:
+    def _engine(self) -> Engine:
         """The model as the EVA-0-family engine: what the health guard, its duels, the state
         and the asynchronous server act on (its registry entry says it keeps a state)."""
         if not self.spec.keeps_state:
             raise TypeError(f"{self.method}: the health guard, the state and asynchronous "
                             "adaptation need an EVA-0-family method")
-        return cast("AdaptiveModel", self.model)
+        return cast("Engine", self.model)
 
     def _new_guard(self) -> HealthGuard | None:
         if not self.spec.guard or not self.spec.adapts:

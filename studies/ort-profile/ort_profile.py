@@ -21,7 +21,7 @@ from eva0_edge.bench.testbed.machine import environment
 from eva0_edge.bench.testbed.output import write_outputs
 from eva0_edge.bench.testbed.workload import export_random, random_batch
 from eva0_edge.runtime.cache import cache_dir
-from eva0_edge.runtime.engine import AdaptiveModel
+from eva0_edge.runtime.engine import Engine
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.session import AdaptableSession
@@ -32,7 +32,7 @@ def op_times(path: str, method: str, batch: int, steps: int, threads: int | None
     with tempfile.TemporaryDirectory() as tmp:
         session = AdaptableSession(path, None, "cpu", threads,
                                    profile_prefix=str(Path(tmp) / method))
-        model = Policy(AdaptiveModel(session, method))
+        model = Policy(Engine(session, method))
         x = random_batch(read_metadata(path), batch)
         for _ in range(steps + 1):
             model.step(x)

@@ -10,13 +10,12 @@ import zipfile
 import numpy as np
 import pytest
 
-from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.state import StateError, encode_state
 from tests.fixtures import SHIPPED_VIT, uniform_batch
 
 
-def _resigned(model: AdaptiveModel, **changes) -> bytes:
+def _resigned(model: Policy, **changes) -> bytes:
     """The model's state with ``changes``, re-encoded with a valid checksum and fingerprint."""
     state = model.state.copy()
     for name, value in changes.items():
@@ -27,7 +26,7 @@ def _resigned(model: AdaptiveModel, **changes) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def shifted() -> AdaptiveModel:
+def shifted() -> Policy:
     """The shipped ViT with EVA-0 (its activation shift on), a few steps into a stream."""
     model = Policy.load(SHIPPED_VIT, "eva0", provider="cpu", threads=1)
     for seed in range(4):
@@ -35,7 +34,7 @@ def shifted() -> AdaptiveModel:
     return model
 
 
-def _far(model: AdaptiveModel, name: str, scale: float, dtype=np.float32) -> np.ndarray:
+def _far(model: Policy, name: str, scale: float, dtype=np.float32) -> np.ndarray:
     """``name`` moved ``scale`` along a unit direction from where it is."""
     value = getattr(model.state, name).astype(np.float64)
     return (value + scale / np.sqrt(value.size)).astype(dtype)

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from eva0_edge.bench.testbed.fashion_mnist import load_fashion_mnist
-from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.preprocess import preprocess_uint8
@@ -30,7 +29,7 @@ def test_engine_statistics_follow_the_window_rule(small_vit):
     assert model.state.stat_weight == pytest.approx(weight)
 
 
-def _blow_up_one_side(model: AdaptiveModel, monkeypatch) -> None:
+def _blow_up_one_side(model: Policy, monkeypatch) -> None:
     """From now on the first row of every ORT call (sample 0's + side) has absurd logits and
     features."""
     run = model.session.run

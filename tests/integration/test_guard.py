@@ -10,7 +10,6 @@ import pytest
 from eva0_edge.bench.testbed.datasets import corrupted_fmnist
 from eva0_edge.bench.testbed.evaluate import EvalSpec, load_domains
 from eva0_edge.bench.testbed.fashion_mnist import load_fashion_mnist
-from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.guard import GuardBounds, HealthGuard
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.policy import Policy
@@ -34,7 +33,7 @@ def clean() -> tuple[np.ndarray, np.ndarray]:
     return _clean_images(RESNET)
 
 
-def _watching(bounds: dict, eta_scale: float = 1.0) -> AdaptiveModel:
+def _watching(bounds: dict, eta_scale: float = 1.0) -> Policy:
     """The ResNet-GN with only ``bounds`` set and no audit at a change of stream (the shift's
     detector fires on a collapsing model's features: these tests watch the bounds alone)."""
     eta = Policy.load(RESNET, "eva0", provider="cpu").config.eta
@@ -144,7 +143,7 @@ def test_frozen_predicts_without_adapting_and_persists(clean, tmp_path):
     assert not np.array_equal(other.state.theta, theta)
 
 
-def _trip_on_drift(model: AdaptiveModel, x: np.ndarray) -> None:
+def _trip_on_drift(model: Policy, x: np.ndarray) -> None:
     """One step at eta x 1000: theta jumps past the drift bound and the guard trips."""
     eta = model.config.eta
     model.model.config = model.config.updated({"eta": eta * 1000})

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.server.context import ServeOptions
 from eva0_edge.runtime.server.protocol import HEADER_LENGTH, MAX_JSON_BYTES, MAX_JSON_VALUES
@@ -112,7 +111,7 @@ def test_malformed_requests_get_a_json_4xx_and_leave_the_state(server):
     assert server.client.is_server_ready()
 
 
-def _resigned(state_bytes: bytes, model: AdaptiveModel, **changes) -> bytes:
+def _resigned(state_bytes: bytes, model: Policy, **changes) -> bytes:
     from eva0_edge.runtime.state import decode_state
 
     state, _ = decode_state(state_bytes)

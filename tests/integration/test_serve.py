@@ -14,7 +14,6 @@ import tritonclient.http as httpclient
 from PIL import Image
 
 from eva0_edge.bench.testbed.fashion_mnist import load_fashion_mnist
-from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.preprocess import preprocess_uint8
@@ -53,7 +52,7 @@ def server(tmp_path_factory):
     assert process.stop(), process.log()
 
 
-def offline(method: str = "eva0") -> AdaptiveModel:
+def offline(method: str = "eva0") -> Policy:
     return Policy.load(MODEL, method, seed=0, provider="cpu", threads=1)
 
 

@@ -9,7 +9,6 @@ import json
 import numpy as np
 import pytest
 
-from eva0_edge.runtime.engine import AdaptiveModel
 from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.state import StateError
 from tests.component.test_state_validation import _archive, _resigned
@@ -17,7 +16,7 @@ from tests.fixtures import uniform_batch
 
 
 @pytest.fixture()
-def adapted(calibrated_vit) -> AdaptiveModel:
+def adapted(calibrated_vit) -> Policy:
     model = Policy.load(calibrated_vit, "eva0", provider="cpu")
     model.step(uniform_batch(4))
     return model
