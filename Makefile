@@ -11,7 +11,7 @@ FMNIST := /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz
 # A strict editable install: a link tree mirrors the import names (eva0_edge.runtime ->
 # runtime/, ...), so static tools (mypy, IDEs) resolve them too; the tree is rebuilt when the
 # set of modules changes (SOURCES below), an edit to a module needs nothing.
-SOURCES := $(sort $(wildcard src/eva0_edge/*.py exporter/*.py runtime/*.py runtime/*/*.py quant/*.py \
+SOURCES := $(sort $(wildcard src/eva0_edge/*.py exporter/*.py exporter/*/*.py runtime/*.py runtime/*/*.py quant/*.py \
 	bench/*.py bench/testbed/*.py fleet/*.py))
 SOURCE_LIST := $(VENV)/.eva0-edge-sources
 

@@ -8,17 +8,59 @@ from eva0_edge.runtime.cli import int_in, missing_extra
 from eva0_edge.runtime.config import parse_key_values
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"need comma-separated numbers, got {text!r}") from err
+
+
+def _cmd_export_onnx(args: argparse.Namespace, labels: list[str] | None) -> None:
+    """``export --onnx``: any ONNX classifier in (no torch needed)."""
+    from eva0_edge.exporter.graph import list_affines, make_adaptable
+    from eva0_edge.runtime.metadata import Preprocessing
+    from eva0_edge.runtime.progress import heartbeat
+
+    if args.list:
+        for index, op, name, shape in list_affines(args.onnx, args.logits):
+            print(f"{index:4d}  {op:24s} {name}  {list(shape)}")
+        return
+    if args.output is None:
+        raise SystemExit("error: export --onnx needs -o/--output (or --list)")
+    preprocessing = None
+    if args.mean or args.std:
+        if not (args.mean and args.std):
+            raise SystemExit("error: --mean and --std go together")
+        import onnx
+
+        dims = onnx.load(args.onnx, load_external_data=False).graph.input[0].type.tensor_type
+        size = tuple(int(d.dim_value) for d in dims.shape.dim[1:])
+        preprocessing = Preprocessing(size, args.mean, args.std,  # type: ignore[arg-type]
+                                      args.interpolation, args.crop_pct)
+    with heartbeat(f"rewriting {args.onnx}", quiet=args.quiet):
+        metadata = make_adaptable(args.onnx, args.output, adapt=args.adapt, labels=labels,
+                                  preprocessing=preprocessing, logits=args.logits)
+    print(f"wrote {args.output}: {metadata.architecture}, theta [R, {metadata.num_params}] "
+          f"({len(metadata.theta_layout) // 2} affines, {metadata.adapt}), features "
+          f"[R, {metadata.num_features}], {metadata.num_classes} classes")
+
+
 def _cmd_export(args: argparse.Namespace) -> None:
     from eva0_edge.runtime.progress import heartbeat
 
-    try:
-        from eva0_edge.exporter import export_model
-    except ImportError as err:
-        raise missing_extra("export", "export", err) from err
     labels = None
     if args.labels:
         with open(args.labels, encoding="utf-8") as f:
             labels = [line.strip() for line in f if line.strip()]
+    if args.onnx:
+        _cmd_export_onnx(args, labels)
+        return
+    try:
+        from eva0_edge.exporter import export_model
+    except ImportError as err:
+        raise missing_extra("export", "export", err) from err
+    if args.output is None:
+        raise SystemExit("error: export needs -o/--output")
     input_size = tuple(int(v) for v in args.input_size.split(",")) if args.input_size else None
     with heartbeat(f"exporting {args.arch}", quiet=args.quiet):
         metadata = export_model(
@@ -44,13 +86,19 @@ def _cmd_export(args: argparse.Namespace) -> None:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="timm model -> adaptable ONNX model")
-    p.add_argument("--arch", required=True, help="timm architecture, e.g. vit_base_patch16_224")
+    p = sub.add_parser("export", help="timm model or ONNX classifier -> adaptable ONNX model")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--arch", help="timm architecture, e.g. vit_base_patch16_224")
+    source.add_argument("--onnx", metavar="FILE",
+                        help="any ONNX image classifier (torch.onnx, tf2onnx, an optimiser's "
+                        "output): rewritten to an adaptable file; needs no torch")
     p.add_argument("--checkpoint", help="local timm/torch state dict (random init if omitted)")
     p.add_argument(
         "--adapt",
         help="blocks (ViT, 0-based) or stages (ResNet, 1..4) to adapt, e.g. 2-8 "
-        "(default: 2-8 for deep ViTs, 1-3 for ResNets)",
+        "(default: 2-8 for deep ViTs, 1-3 for ResNets; each family's units in `eva0-edge "
+        "export --help`'s guide page); with --onnx: affine indices ('20-52', see --list) or "
+        "name patterns ('blocks.4.*,blocks.5.*') (default: the later half)",
     )
     p.add_argument(
         "--set",
@@ -65,7 +113,16 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="ViT black-box prompt mode: T prompt tokens after CLS as the only "
                    "adaptable input, weights frozen (for foa / foa-dagger / eva0-clubs)")
     p.add_argument("--prompt-seed", type=int, default=0, help="initial prompt seed (default 0)")
-    p.add_argument("-o", "--output", required=True, help="output .onnx path")
+    p.add_argument("--logits", metavar="NAME",
+                   help="with --onnx: the logits output, when the graph has several")
+    p.add_argument("--mean", type=_floats, help="with --onnx: per-channel mean, e.g. "
+                   "0.485,0.456,0.406 (default: a sidecar JSON, else ImageNet's)")
+    p.add_argument("--std", type=_floats, help="with --onnx: per-channel std")
+    p.add_argument("--interpolation", default="bilinear", help="with --mean/--std")
+    p.add_argument("--crop-pct", type=float, default=1.0, help="with --mean/--std")
+    p.add_argument("--list", action="store_true",
+                   help="with --onnx: print the adaptable affines and their indices, write nothing")
+    p.add_argument("-o", "--output", help="output .onnx path")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress")
     p.set_defaults(func=_cmd_export)
 

@@ -17,8 +17,10 @@ from eva0_edge.runtime.metadata import ModelMetadata, Preprocessing, Segment
 from eva0_edge.runtime.modelfile import save_onnx, set_metadata
 
 from .adaptable import AdaptableModel
-from .families import Family, family_for, parse_range
+from .families import Family, family_for
+from .graph_families import graph_family_for
 from .prompt import PromptModel, initial_prompt
+from .ranges import parse_range
 
 DEFAULT_OPSET = 18
 
@@ -126,6 +128,9 @@ def export_model(
         return _export_prompt_model(
             arch, model, prompts, prompt_seed, labels, preprocessing, opset, output
         )
+    if graph_family_for(model) is not None and not _has_legacy_family(model):
+        return _export_through_graph(
+            arch, model, adapt, labels, preprocessing, opset, output)
     wrapper, family, theta0 = build_adaptable(model, adapt)
 
     pixel_values = torch.randn(2, *preprocessing.input_size)
@@ -153,6 +158,52 @@ def export_model(
     )
     save_onnx(set_metadata(onnx_model, metadata), output)
     return metadata
+
+
+def _has_legacy_family(model: torch.nn.Module) -> bool:
+    try:
+        family_for(model)
+    except ValueError:
+        return False
+    return True
+
+
+def _export_through_graph(
+    arch: str,
+    model: torch.nn.Module,
+    adapt: str | None,
+    labels: list[str],
+    preprocessing: Preprocessing,
+    opset: int,
+    output: str | os.PathLike,
+) -> ModelMetadata:
+    """The plain model to ONNX, then the graph rewriter (:mod:`.graph`), with the family's
+    ``--adapt`` units turned into name patterns.
+
+    The export is constant-folded but not otherwise optimised: torch.onnx's optimiser would fold
+    every BatchNorm into its convolution, and the BatchNorm nodes keep the adapted parameters
+    the source model's own (theta names = state-dict keys, theta0 = the BatchNorm affines, as
+    the torch baselines adapt them). ONNX Runtime folds them into the convolutions at load."""
+    import onnxscript.optimizer
+
+    from .graph import make_adaptable
+
+    family = graph_family_for(model)
+    assert family is not None
+    _, patterns = family.patterns(model, adapt)
+    pixel_values = torch.randn(2, *preprocessing.input_size)
+    batch = torch.export.Dim("batch", min=1)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            model, (pixel_values,), input_names=["pixel_values"], output_names=["logits"],
+            dynamic_shapes=({0: batch},), opset_version=opset, dynamo=True, optimize=False,
+            verbose=False,
+        )
+    onnxscript.optimizer.fold_constants(program.model)
+    onnxscript.optimizer.remove_unused_nodes(program.model)
+    return make_adaptable(program.model_proto, output, adapt=patterns, labels=labels,
+                          preprocessing=preprocessing, architecture=arch, family=family.name)
 
 
 def _export_prompt_model(

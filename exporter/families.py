@@ -6,7 +6,6 @@ A family is registered by name (like timm's model registry) and matched against 
 
 from __future__ import annotations
 
-import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -29,25 +28,14 @@ def family_for(model: nn.Module) -> type[Family]:
     for cls in _FAMILIES.values():
         if cls.matches(model):
             return cls
+    from .graph_families import FAMILIES
+
+    known = sorted(_FAMILIES) + [f.name for f in FAMILIES]
     raise ValueError(
-        f"cannot export {type(model).__name__}: known families are {sorted(_FAMILIES)} "
-        "(timm VisionTransformer with LayerNorm, timm ResNet with GroupNorm)"
+        f"cannot export {type(model).__name__}: known families are {known}; any other "
+        "classifier exports to ONNX itself (torch.onnx.export) and comes in with "
+        "`eva0-edge export --onnx model.onnx`"
     )
-
-
-def parse_range(spec: str, upper: int, what: str) -> list[int]:
-    """Parse '2-8' (inclusive) or '3' or '1,4-5' into sorted unique indices in [0, upper)."""
-    indices: set[int] = set()
-    for part in spec.split(","):
-        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
-        if not match:
-            raise ValueError(f"bad --adapt range {spec!r}: use e.g. '2-8' or '1,3'")
-        lo = int(match.group(1))
-        hi = int(match.group(2) or lo)
-        if lo > hi or hi >= upper:
-            raise ValueError(f"--adapt {spec!r} is outside the model's {what} 0..{upper - 1}")
-        indices.update(range(lo, hi + 1))
-    return sorted(indices)
 
 
 @dataclass(frozen=True)
