@@ -95,6 +95,12 @@ for _spec in (
                keeps_state=False, guard=False, separate_step=False),
     MethodSpec("deyo", "torch", 2, "DeYO (torch, backprop; benchmarks only)",
                keeps_state=False, guard=False, separate_step=False),
+    MethodSpec("bn-adapt", "torch", 1, "BN-adapt: BatchNorm with source + test-batch "
+               "statistics (torch, no backprop; benchmarks only)",
+               keeps_state=False, guard=False, separate_step=False),
+    MethodSpec("bn-ema", "torch", 1, "BN-EMA: BatchNorm running statistics updated by every "
+               "test batch (torch, no backprop; benchmarks only)",
+               keeps_state=False, guard=False, separate_step=False),
 ):
     register(_spec)
 

@@ -27,8 +27,10 @@ from torch import nn
 from eva0_edge.runtime.metadata import ModelMetadata
 from eva0_edge.runtime.registry import method_names
 
+from .bnstats import BN_METHODS
+
 SHIPPED_MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
-BACKPROP_METHODS = method_names("torch")
+BACKPROP_METHODS = tuple(m for m in method_names("torch") if m not in BN_METHODS)
 PAPER_LR = {"vit": 1e-3, "resnet_gn": 2.5e-4}
 
 

@@ -88,6 +88,7 @@ def method_factory(spec: EvalSpec, name: str) -> Callable[[], StreamMethod]:
     import torch
 
     from .backprop import BackpropTTA, load_torch_source
+    from .bnstats import BN_METHODS, BatchNormStats
 
     if spec.session.threads:
         torch.set_num_threads(spec.session.threads)
@@ -99,6 +100,9 @@ def method_factory(spec: EvalSpec, name: str) -> Callable[[], StreamMethod]:
             "like: evaluate it on the float model"
         )
     model = load_torch_source(metadata, spec.torch_checkpoint)
+    if name in BN_METHODS:
+        knobs = {**metadata.tuned.get(name, {}), **(spec.overrides or {})}
+        return lambda: BatchNormStats(name, model, knobs)
     lr = (spec.overrides or {}).get("lr", metadata.tuned.get(name, {}).get("lr"))
     return lambda: BackpropTTA(name, model, metadata, lr, spec.batch_size, spec.seed)
 
