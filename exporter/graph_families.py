@@ -5,8 +5,8 @@ Each family names its adaptable units in its own terms (timm's module names: Res
 ``layer1``..``layer4``, MobileNetV3 / EfficientNet ``blocks.<i>``, RegNet ``s1``..``s4``,
 ConvNeXt ``stages.<i>``, Swin ``layers.<i>``) and adds the final norm before the head, where the
 family has one, as one more unit. ``--adapt 3-4`` picks units 3 and 4; the rewriter adapts
-every norm affine whose weight lies under them. The defaults are the ones measured in
-``studies/family-sets`` (cost against NoAdapt and gain on the shipped BatchNorm model).
+every norm affine whose weight lies under them. What the MobileNetV3 and EfficientNet defaults
+cost against NoAdapt is measured in ``studies/family-sets`` (``results/family-sets``).
 """
 
 from __future__ import annotations
