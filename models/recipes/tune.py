@@ -56,6 +56,8 @@ from pathlib import Path
 from typing import Any
 
 from eva0_edge.bench.testbed.backprop import PAPER_LR
+from eva0_edge.bench.testbed.bnstats import BN_METHODS
+from eva0_edge.bench.testbed.bnstats import DEFAULTS as BN_DEFAULTS
 from eva0_edge.bench.testbed.evaluate import BACKPROP, EvalSpec, evaluate
 from eva0_edge.bench.testbed.prompt_variant import tune_log_path
 from eva0_edge.bench.testbed.tuning import beyond_edge, choose, parse_grid, spending_bound
@@ -76,6 +78,9 @@ def current_values(model: str, method: str) -> dict[str, float]:
     metadata = read_metadata(model)
     if method in FOA_METHODS:
         return {"lambda_fit": FOAConfig().updated(metadata.tuned.get(method, {})).lambda_fit}
+    if method in BN_METHODS:
+        (key, value), = {**BN_DEFAULTS[method], **metadata.tuned.get(method, {})}.items()
+        return {key: float(value)}
     if method in BACKPROP:
         default = PAPER_LR.get(metadata.family, 1e-3)
         return {"lr": metadata.tuned.get(method, {}).get("lr", default)}
@@ -187,6 +192,8 @@ def main() -> None:
     args.fixed = parse_key_values(args.set)
     if args.method in FOA_METHODS:
         known = set(FOAConfig.__dataclass_fields__)
+    elif args.method in BN_METHODS:
+        known = set(BN_DEFAULTS[args.method])
     elif args.method in BACKPROP:
         known = {"lr"}
     elif is_prompt_method(args.method):
