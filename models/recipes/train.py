@@ -3,11 +3,14 @@ as an adaptable ONNX model with source feature statistics, and log what happened
 
     python models/recipes/train.py --arch vit_fmnist --epochs 11 --no-flip --compile --seed 0
     python models/recipes/train.py --arch resnet_gn_fmnist --epochs 6 --seed 0
+    python models/recipes/train.py --arch mobilenet_bn_fmnist --epochs 6 --lr 1e-2 --channels-last \
+        --threads 1 --seed 0 --no-export    # 91.16% clean, 12.6 min on one core (taskset -c 1)
 
 Training uses the train split minus the 5000 held-out validation images
 (``bench.testbed.fashion_mnist.train_val_indices``); the test split is only used for the final clean
 accuracy. Output: ``models/<arch>.onnx`` (the adaptable model), ``models/<arch>.pth`` (the torch
-state dict, for the backprop baselines) and ``models/<arch>.train.json`` (the training log).
+state dict, for the backprop baselines) and ``models/<arch>.train.json`` (the training log);
+``--no-export`` writes the state dict and the log only.
 """
 
 from __future__ import annotations
@@ -31,10 +34,7 @@ from eva0_edge.bench.testbed.fashion_mnist import (
     train_val_indices,
 )
 from eva0_edge.bench.testbed.testbed_archs import ARCHS
-from eva0_edge.exporter import export_model
 from eva0_edge.runtime.cache import cache_dir
-from eva0_edge.runtime.calibrate import calibrate_with_images
-from eva0_edge.runtime.metadata import Preprocessing
 
 MODELS_DIR = Path(__file__).resolve().parents[1]
 
@@ -84,10 +84,11 @@ def compiled_for_training(model: torch.nn.Module) -> torch.nn.Module:
 
 def train(
     arch: str, epochs: int, seed: int, batch_size: int, lr: float, device: str = "cpu",
-    flip: bool = True, compile_model: bool = False,
+    flip: bool = True, compile_model: bool = False, channels_last: bool = False,
+    threads: int | None = None,
 ) -> dict:
     torch.manual_seed(seed)
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(threads or os.cpu_count() or 1)
     generator = torch.Generator().manual_seed(seed)
     images, labels = load_fashion_mnist("train")
     train_idx, _ = train_val_indices(len(images))
@@ -99,6 +100,8 @@ def train(
     x_test, y_test = to_tensor(test_images, mean, std), torch.from_numpy(test_labels)
 
     model = ARCHS[arch]().to(device)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
     train_model = compiled_for_training(model) if compile_model else model
     x_test, y_test = x_test.to(device), y_test.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05)
@@ -112,6 +115,7 @@ def train(
     )
     log = {"arch": arch, "seed": seed, "epochs": [], "batch_size": batch_size, "lr": lr,
            "flip": flip, "compile": compile_model, "device": device,
+           **({"channels_last": True} if channels_last else {}),
            "load_average_start": os.getloadavg(), "threads": torch.get_num_threads()}
     start = time.time()
     for epoch in range(epochs):
@@ -122,7 +126,10 @@ def train(
         losses = []
         for step in bar:
             idx = order[step * batch_size : (step + 1) * batch_size]
-            logits = train_model(augment(x_train[idx], generator, flip).to(device))
+            batch = augment(x_train[idx], generator, flip).to(device)
+            if channels_last:
+                batch = batch.contiguous(memory_format=torch.channels_last)
+            logits = train_model(batch)
             loss = F.cross_entropy(logits, y_train[idx].to(device), label_smoothing=0.1)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -141,12 +148,19 @@ def train(
     checkpoint = cache_dir() / "checkpoints" / f"{arch}.pth"
     checkpoint.parent.mkdir(parents=True, exist_ok=True)
     model = model.cpu()
+    if channels_last:
+        model = model.to(memory_format=torch.contiguous_format)
     torch.save(model.state_dict(), checkpoint)
     shutil.copyfile(checkpoint, MODELS_DIR / f"{arch}.pth")
     return log, model, images[train_idx]
 
 
 def export_and_calibrate(arch: str, model: torch.nn.Module, log: dict, clean: np.ndarray) -> Path:
+    # imported here so that --no-export needs neither the exporter nor the calibration
+    from eva0_edge.exporter import export_model
+    from eva0_edge.runtime.calibrate import calibrate_with_images
+    from eva0_edge.runtime.metadata import Preprocessing
+
     out = MODELS_DIR / f"{arch}.onnx"
     pre = Preprocessing((3, 32, 32), (log["mean"],) * 3, (log["std"],) * 3, "bilinear", 1.0)
     export_model(arch, out, model=model, labels=CLASS_NAMES, preprocessing=pre)
@@ -164,14 +178,23 @@ def main() -> None:
     parser.add_argument("--no-flip", action="store_true", help="shifts only (the ViT recipe)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the training steps (the ViT recipe)")
-    parser.add_argument("--no-export", action="store_true", help="train and log only")
+    parser.add_argument("--channels-last", action="store_true",
+                        help="train in channels-last memory format (the MobileNet recipe: "
+                        "depthwise convolutions ~2x faster on the CPU); saved contiguous")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: os.cpu_count())")
+    parser.add_argument("--no-export", action="store_true",
+                        help="train, write the state dict and the log only (no ONNX file)")
     args = parser.parse_args()
     log, model, clean = train(
         args.arch, args.epochs, args.seed, args.batch_size, args.lr, args.device, not args.no_flip,
-        args.compile,
+        args.compile, args.channels_last, args.threads,
     )
     if args.no_export:
+        (MODELS_DIR / f"{args.arch}.train.json").write_text(json.dumps(log, indent=2) + "\n")
         print(json.dumps(log["epochs"]))
+        print(f"{args.arch}: {log['clean_test_accuracy']:.2f}% clean test accuracy, "
+              f"{log['train_seconds'] / 60:.1f} min, -> {MODELS_DIR / (args.arch + '.pth')}")
         return
     out = export_and_calibrate(args.arch, model, log, clean)
     log["onnx"] = out.name
