@@ -5,7 +5,10 @@ BatchNorm changes the convolution), exported by
 
 * ``dynamo18``: ``torch.onnx.export(dynamo=True, opset_version=18)`` (its optimiser folds
   BatchNorm into the convolutions);
-* ``script17``: the TorchScript exporter (``dynamo=False``) at opset 17, dynamic batch;
+* ``script17``: the TorchScript exporter (``dynamo=False``) at opset 17, dynamic batch (it
+  writes GroupNorm decomposed: InstanceNormalization, then Mul / Add by the affine);
+* ``script16``: the same at opset 16, where LayerNorm is decomposed too (ReduceMean, Sub, Pow,
+  Sqrt, Div, then Mul / Add);
 * ``script17-batch1``: the same with the batch fixed at 1 (no dynamic axes);
 * ``ort-basic`` / ``ort-extended``: ``dynamo18``'s file as ONNX Runtime's optimiser writes it
   (``optimized_model_filepath``): constant-folded, and at ``extended`` with ORT's fused
@@ -24,6 +27,7 @@ import numpy as np
 # timm architecture -> (create_model kwargs, image size): one per family the issue names
 ARCHS: dict[str, tuple[dict, int]] = {
     "resnet18": ({}, 64),
+    "resnet18-gn": ({"norm_layer": "groupnorm"}, 64),
     "mobilenetv3_small_100": ({}, 64),
     "efficientnet_lite0": ({}, 64),
     "regnetx_002": ({}, 64),
@@ -33,7 +37,8 @@ ARCHS: dict[str, tuple[dict, int]] = {
         {"img_size": 64, "window_size": 4, "embed_dim": 48, "depths": (1, 1, 2, 1),
          "num_heads": (2, 2, 2, 2)}, 64),
 }
-EXPORTERS = ("dynamo18", "script17", "script17-batch1", "ort-basic", "ort-extended")
+EXPORTERS = ("dynamo18", "script17", "script16", "script17-batch1", "ort-basic",
+             "ort-extended")
 
 
 def timm_model(arch: str, seed: int = 0):
@@ -43,7 +48,7 @@ def timm_model(arch: str, seed: int = 0):
 
     kwargs, _ = ARCHS[arch]
     torch.manual_seed(seed)
-    model = timm.create_model(arch, num_classes=10, **kwargs).eval()
+    model = timm.create_model(arch.split("-")[0], num_classes=10, **kwargs).eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -81,8 +86,9 @@ def source_file(folder: Path, arch: str, exporter: str) -> Path:
             program.save(str(path))
         else:
             axes = {} if exporter.endswith("batch1") else {"input": {0: "batch"}}
+            opset = 16 if exporter == "script16" else 17
             torch.onnx.export(model, (x,), str(path), input_names=["input"],
-                              output_names=["output"], dynamic_axes=axes, opset_version=17,
+                              output_names=["output"], dynamic_axes=axes, opset_version=opset,
                               dynamo=False)
     return path
 

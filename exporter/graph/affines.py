@@ -139,10 +139,18 @@ def _decomposed(add: ir.Node) -> Affine | None:
 
 
 def _param_name(value: ir.Value | None, node: ir.Node, suffix: str) -> str:
-    """The source tensor's own name where the exporter kept one (a state-dict key)."""
+    """The source tensor's own name where the exporter kept one (a state-dict key), else the
+    module path of the node's scope (TorchScript's ``/layer4/layer4.1/bn2/Mul`` ->
+    ``layer4.1.bn2``), else the node's name; then ``.<suffix>``."""
     name = value.name if value is not None else None
     if name and not _AUTO_NAME.match(name):
         return name
+    scope = (node.name or "").strip("/").split("/")[:-1]
+    if scope:
+        path = scope[0]
+        for part in scope[1:]:
+            path = part if part.startswith(path + ".") else f"{path}.{part}"
+        return f"{path}.{suffix}"
     return f"{node.name or node.op_type}.{suffix}"
 
 

@@ -22,6 +22,8 @@ from tests.fixtures import ServerProcess, run_without_torch
 from tests.onnx_sources import ARCHS, images, source_file, timm_model
 
 CASES = [(arch, "dynamo18") for arch in ARCHS] + [
+    ("resnet18-gn", "script17"), ("deit_tiny_patch16_224", "script16"),
+    ("convnext_atto", "script16"),
     ("resnet18", "script17"), ("convnext_atto", "script17"), ("deit_tiny_patch16_224", "script17"),
     ("mobilenetv3_small_100", "script17"), ("resnet18", "script17-batch1"),
     ("mobilenetv3_small_100", "script17-batch1"), ("resnet18", "ort-basic"),
