@@ -28,6 +28,7 @@ from onnxruntime.quantization import (
     QuantType,
     quantize_static,
 )
+from onnxruntime.quantization.shape_inference import quant_pre_process
 
 from eva0_edge.runtime.metadata import ModelMetadata
 from eva0_edge.runtime.modelfile import load_onnx, read_metadata, save_onnx, set_metadata
@@ -116,8 +117,15 @@ def quantize_int8(
     ops = ["MatMul"] if metadata.family == "vit" else ["Conv", "MatMul", "Gemm"]
     with tempfile.TemporaryDirectory() as tmp:
         staged = Path(tmp) / "int8.onnx"
+        source = Path(model_path)
+        if any(node.op_type == "BatchNormalization" for node in load_onnx(source).graph.node):
+            # fold every BatchNorm into its convolution first (ORT's basic optimisations, as
+            # onnxruntime.quantization recommends), so no float BatchNorm sits between the
+            # integer convolutions; the adapted ones keep their per-row affine after the Conv
+            source = Path(tmp) / "folded.onnx"
+            quant_pre_process(str(model_path), str(source), skip_symbolic_shape=True)
         quantize_static(
-            str(model_path), str(staged), _Reader(calibration, metadata.theta0),
+            str(source), str(staged), _Reader(calibration, metadata.theta0),
             quant_format=QuantFormat.QDQ, op_types_to_quantize=ops, per_channel=False,
             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
             extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,

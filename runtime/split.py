@@ -86,6 +86,9 @@ def split_model(model: onnx.ModelProto) -> SplitModel:
     boundary = find_boundary(graph)
     adapted = [i.name for i in graph.input if i.name in ADAPTED_INPUTS]
     outputs = [o.name for o in graph.output]
+    typed = {v.name for v in (*graph.value_info, *graph.input, *graph.output)}
+    if any(name not in typed for name in boundary):  # a quantizer's output keeps no types
+        model = onnx.shape_inference.infer_shapes(model)
     extractor = Extractor(model)
     prefix = extractor.extract_model(["pixel_values"], boundary)
     suffix = extractor.extract_model(boundary + adapted, outputs)
