@@ -10,8 +10,8 @@ with statistics that include the test batch.
   the running statistics by ``momentum`` towards its own, layer by layer inside the forward,
   and the layer normalises with the updated ones; kept across batches (the stream's state).
 
-The knobs (``prior``, ``momentum``) are tuned on the validation split like every other
-method's rates (``models/recipes/tune.py --method bn-ema --grid momentum=...``).
+The knobs (``bn_prior``, ``bn_momentum``) are tuned on the validation split like every other
+method's rates (``models/recipes/tune.py --method bn-ema --grid bn_momentum=...``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 BN_METHODS = ("bn-adapt", "bn-ema")
-DEFAULTS = {"bn-adapt": {"prior": 16.0}, "bn-ema": {"momentum": 0.01}}
+DEFAULTS = {"bn-adapt": {"bn_prior": 16.0}, "bn-ema": {"bn_momentum": 0.01}}
 
 
 class _TestStatsBatchNorm(nn.Module):
@@ -66,9 +66,9 @@ class BatchNormStats:
         if method not in BN_METHODS:
             raise ValueError(f"unknown BatchNorm-statistics method {method!r}: {BN_METHODS}")
         values = {**DEFAULTS[method], **(knobs or {})}
-        knob = float(values["prior"] if method == "bn-adapt" else values["momentum"])
+        knob = float(values["bn_prior"] if method == "bn-adapt" else values["bn_momentum"])
         if (method == "bn-adapt" and knob < 0) or (method == "bn-ema" and not 0 < knob <= 1):
-            raise ValueError(f"{method}: need prior >= 0 / 0 < momentum <= 1, got {knob}")
+            raise ValueError(f"{method}: need bn_prior >= 0 / 0 < bn_momentum <= 1, got {knob}")
         self.name = method
         self.source = copy.deepcopy(model).eval()
         self.method, self.knob = method, knob

@@ -25,7 +25,9 @@ from .protocols import StreamMethod, StreamResult, run_protocol
 from .report import write_report
 
 BACKPROP = method_names("torch")
-BACKPROP_KEYS = ("lr",)  # --set lr=... : the torch baselines' learning rate at batch 64
+# --set lr=... : the backprop baselines' learning rate at batch 64; bn_prior / bn_momentum:
+# the BatchNorm-statistics baselines' knobs (bench.testbed.bnstats)
+BACKPROP_KEYS = ("lr", "bn_prior", "bn_momentum")
 
 
 @dataclass
@@ -88,7 +90,7 @@ def method_factory(spec: EvalSpec, name: str) -> Callable[[], StreamMethod]:
     import torch
 
     from .backprop import BackpropTTA, load_torch_source
-    from .bnstats import BN_METHODS, BatchNormStats
+    from .bnstats import BN_METHODS, DEFAULTS, BatchNormStats
 
     if spec.session.threads:
         torch.set_num_threads(spec.session.threads)
@@ -101,7 +103,8 @@ def method_factory(spec: EvalSpec, name: str) -> Callable[[], StreamMethod]:
         )
     model = load_torch_source(metadata, spec.torch_checkpoint)
     if name in BN_METHODS:
-        knobs = {**metadata.tuned.get(name, {}), **(spec.overrides or {})}
+        knobs = {**metadata.tuned.get(name, {}), **{
+            k: v for k, v in (spec.overrides or {}).items() if k in DEFAULTS[name]}}
         return lambda: BatchNormStats(name, model, knobs)
     lr = (spec.overrides or {}).get("lr", metadata.tuned.get(name, {}).get("lr"))
     return lambda: BackpropTTA(name, model, metadata, lr, spec.batch_size, spec.seed)

@@ -35,11 +35,11 @@ def test_bn_adapt_mixes_source_and_batch_statistics():
     model, x = _model(), _batch()
     with torch.no_grad():
         source = model(torch.from_numpy(x)).numpy()
-    np.testing.assert_allclose(BatchNormStats("bn-adapt", model, {"prior": 0}).step(x),
+    np.testing.assert_allclose(BatchNormStats("bn-adapt", model, {"bn_prior": 0}).step(x),
                                _train_mode_logits(model, x), atol=1e-5)
-    np.testing.assert_allclose(BatchNormStats("bn-adapt", model, {"prior": 1e9}).step(x),
+    np.testing.assert_allclose(BatchNormStats("bn-adapt", model, {"bn_prior": 1e9}).step(x),
                                source, atol=1e-4)
-    mixed = BatchNormStats("bn-adapt", model, {"prior": 8}).step(x)
+    mixed = BatchNormStats("bn-adapt", model, {"bn_prior": 8}).step(x)
     assert not np.allclose(mixed, source, atol=1e-3)
     # nothing is kept: the same batch twice gives the same logits
     method = BatchNormStats("bn-adapt", model)
@@ -48,9 +48,9 @@ def test_bn_adapt_mixes_source_and_batch_statistics():
 
 def test_bn_ema_moves_the_running_statistics_and_keeps_them():
     model, x = _model(), _batch()
-    full = BatchNormStats("bn-ema", model, {"momentum": 1.0})
+    full = BatchNormStats("bn-ema", model, {"bn_momentum": 1.0})
     np.testing.assert_allclose(full.step(x), _train_mode_logits(model, x), atol=1e-5)
-    slow = BatchNormStats("bn-ema", model, {"momentum": 0.1})
+    slow = BatchNormStats("bn-ema", model, {"bn_momentum": 0.1})
     first, second = slow.step(x), slow.step(x)
     assert not np.allclose(first, second, atol=1e-4)  # the state moved
     slow.reset()
@@ -65,12 +65,12 @@ def test_timm_batchnorm_act_keeps_its_activation():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), BatchNormAct2d(4, act_layer=nn.ReLU),
                           nn.Flatten()).eval()
-    out = BatchNormStats("bn-adapt", model, {"prior": 0}).step(_batch(shift=0.0))
+    out = BatchNormStats("bn-adapt", model, {"bn_prior": 0}).step(_batch(shift=0.0))
     assert (out >= 0).all() and (out == 0).any()
 
 
 def test_bad_knobs_and_models_are_refused():
-    with pytest.raises(ValueError, match="momentum"):
-        BatchNormStats("bn-ema", _model(), {"momentum": 0})
+    with pytest.raises(ValueError, match="bn_momentum"):
+        BatchNormStats("bn-ema", _model(), {"bn_momentum": 0})
     with pytest.raises(ValueError, match="has none"):
         BatchNormStats("bn-adapt", nn.Sequential(nn.Flatten(), nn.Linear(3, 2)))
