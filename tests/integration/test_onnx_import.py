@@ -267,3 +267,24 @@ def test_a_shape_read_off_the_input_counts_the_theta_rows(tmp_path):
                                       "theta": np.tile(metadata.theta0, (6, 1))})[0]
     assert logits.shape == (6, 10)
     np.testing.assert_allclose(logits[3:], logits[:3], atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_every_family_adapts_through_the_runtime(sources, tmp_path, arch):
+    """EVA-0, ZOA and noadapt-shift step on every family's rewritten file, calibrated."""
+    from eva0_edge.runtime import load_method
+    from eva0_edge.runtime.calibrate import calibrate_with_images
+    from eva0_edge.runtime.preprocess import preprocess_uint8
+
+    size = ARCHS[arch][1]
+    out = tmp_path / "a.onnx"
+    make_adaptable(source_file(sources, arch, "dynamo18"), out, preprocessing=_pre(size))
+    clean = np.random.default_rng(0).integers(0, 256, (32, size, size, 3), dtype=np.uint8)
+    calibrate_with_images(out, clean)
+    x = preprocess_uint8(clean[:8], read_metadata(out).preprocessing)
+    for method in ("eva0", "zoa", "noadapt-shift"):
+        model = load_method(out, method)
+        logits = [model.step(x[i: i + 4]) for i in (0, 4)]
+        assert all(np.isfinite(lg).all() and lg.shape == (4, 10) for lg in logits)
+        if method != "noadapt-shift":
+            assert model.stats()["drift"] > 0
