@@ -118,15 +118,17 @@ def quantize_int8(
     with tempfile.TemporaryDirectory() as tmp:
         staged = Path(tmp) / "int8.onnx"
         source = Path(model_path)
-        if any(node.op_type == "BatchNormalization" for node in load_onnx(source).graph.node):
+        folds = any(node.op_type == "BatchNormalization" for node in load_onnx(source).graph.node)
+        if folds:
             # fold every BatchNorm into its convolution first (ORT's basic optimisations, as
             # onnxruntime.quantization recommends), so no float BatchNorm sits between the
-            # integer convolutions; the adapted ones keep their per-row affine after the Conv
+            # integer convolutions; the adapted ones keep their per-row affine after the Conv.
+            # A folded weight carries the BatchNorm's per-channel scale: quantize it per channel
             source = Path(tmp) / "folded.onnx"
             quant_pre_process(str(model_path), str(source), skip_symbolic_shape=True)
         quantize_static(
             str(source), str(staged), _Reader(calibration, metadata.theta0),
-            quant_format=QuantFormat.QDQ, op_types_to_quantize=ops, per_channel=False,
+            quant_format=QuantFormat.QDQ, op_types_to_quantize=ops, per_channel=folds,
             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
             extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
                            "MatMulConstBOnly": True},
@@ -136,7 +138,8 @@ def quantize_int8(
     metadata.quantization = {
         "scheme": "int8",
         "bits": bits,
-        "encoding": "QDQ: uint8 activations (zero point 128), int8 weights, per tensor",
+        "encoding": "QDQ: uint8 activations (zero point 128), int8 weights, per "
+                    + ("channel (BatchNorm folded)" if folds else "tensor"),
         "ops": ops,
         "calibration_images": int(len(calibration)),
         "six_bit_clips": clips,
