@@ -136,7 +136,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="corruption severity (default 5)")
     p.add_argument("--methods", default="noadapt,eva0", help="comma-separated (default "
                    "noadapt,eva0); runtime methods (name@FP sets #FP, e.g. eva0-clubs@8, "
-                   "foa-dagger@14) plus the torch baselines tent, sar, deyo")
+                   "foa-dagger@14) plus the torch baselines tent, sar, deyo, bn-adapt, bn-ema")
     p.add_argument("--limit", type=int_in(1), help="images per corruption (a seeded subset)")
     p.add_argument("--batch-sizes", type=int_list, help="comma-separated: one run per batch "
                    "size in one report (a row per method and batch size); overrides --batch-size")
