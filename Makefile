@@ -6,7 +6,7 @@ STAMP := $(VENV)/.eva0-edge-installed
 
 FMNIST := /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz
 
-.PHONY: blackbox setup data demo test test-fast lint mutate tables sweep hostile budget layers quant tune FORCE
+.PHONY: blackbox setup data demo test test-fast lint mutate tables tables-bn tune-bnstats sweep hostile budget layers quant tune FORCE
 
 # A strict editable install: a link tree mirrors the import names (eva0_edge.runtime ->
 # runtime/, ...), so static tools (mypy, IDEs) resolve them too; the tree is rebuilt when the
@@ -67,6 +67,20 @@ tables: setup data
 		$(VENV)/bin/eva0-edge eval --model models/$$m.onnx --protocol $$p --severity 5 \
 			--methods $(TABLE_METHODS) --limit $(TABLE_LIMIT) --out out/tables/$$m-$$p -q; \
 	done; done
+
+# The shipped BatchNorm model's table: its peers and the one-forward BatchNorm-statistics
+# baselines, at the batch sizes the product serves (results/batchnorm/).
+BN_TABLE_METHODS := noadapt,noadapt-shift,eva0,zoa,tent,bn-adapt,bn-ema
+BN_TABLE_LIMIT ?= 500
+tables-bn: setup data
+	for p in single continual; do \
+		$(VENV)/bin/eva0-edge eval --model models/mobilenet_bn_fmnist.onnx --protocol $$p \
+			--severity 5 --methods $(BN_TABLE_METHODS) --limit $(BN_TABLE_LIMIT) --batch-sizes 1,16,64 \
+			--threads 1 --out results/batchnorm/$$p -q; \
+	done
+	$(VENV)/bin/eva0-edge eval --model models/mobilenet_bn_fmnist.onnx --corruptions clean \
+		--limit 2000 --batch-sizes 1,4,16,64 --methods noadapt,eva0,bn-adapt,bn-ema --threads 1 \
+		--out results/batchnorm/clean -q
 
 # The black-box study (the paper's Table 6) on the shipped ViT's prompt variant.
 blackbox: setup data
@@ -188,7 +202,15 @@ ETAS_vit_fmnist := 0.001,0.002,0.004,0.008,0.016,0.032
 ETAS_resnet_gn_fmnist := 0.01,0.02,0.04,0.08,0.16,0.32
 LIMIT_vit_fmnist := 200
 LIMIT_resnet_gn_fmnist := 500
-tune: tune-vit_fmnist tune-resnet_gn_fmnist
+ETAS_mobilenet_bn_fmnist := 0.01,0.02,0.04,0.08,0.16,0.32
+LIMIT_mobilenet_bn_fmnist := 500
+tune: tune-vit_fmnist tune-resnet_gn_fmnist tune-mobilenet_bn_fmnist tune-bnstats
+# the BatchNorm-statistics baselines' knobs (the BatchNorm model only)
+tune-bnstats: setup data
+	$(PY) models/recipes/tune.py --model models/mobilenet_bn_fmnist.onnx --method bn-adapt \
+		--grid bn_prior=1,4,16,64,256 --limit 500 --clean-limit 1000 --write
+	$(PY) models/recipes/tune.py --model models/mobilenet_bn_fmnist.onnx --method bn-ema \
+		--grid bn_momentum=0.001,0.004,0.016,0.064 --extend 1 --limit 500 --clean-limit 1000 --write
 tune-%: setup data
 	for method in $(ENGINE_METHODS); do \
 		$(PY) models/recipes/tune.py --model models/$*.onnx --method $$method --grid eta=$(ETAS_$*) \

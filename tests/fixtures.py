@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
 SHIPPED_VIT = MODELS / "vit_fmnist.onnx"
 SHIPPED_RESNET_GN = MODELS / "resnet_gn_fmnist.onnx"
-SHIPPED = [SHIPPED_VIT, SHIPPED_RESNET_GN]  # both shipped models, the ViT first
+SHIPPED_BN = MODELS / "mobilenet_bn_fmnist.onnx"
+SHIPPED = [SHIPPED_VIT, SHIPPED_RESNET_GN, SHIPPED_BN]  # the shipped models, the ViT first
 MODEL, NAME = SHIPPED_RESNET_GN, "resnet_gn_fmnist"  # what the server tests serve
 
 SMALL_VIT = (

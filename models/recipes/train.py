@@ -167,6 +167,20 @@ def export_and_calibrate(arch: str, model: torch.nn.Module, log: dict, clean: np
     return calibrate_with_images(out, clean, CALIBRATION_IMAGES, log["seed"])
 
 
+def export_trained(arch: str) -> None:
+    """``--export-only``: the shipped state dict and training log -> the adaptable file."""
+    log = json.loads((MODELS_DIR / f"{arch}.train.json").read_text())
+    model = ARCHS[arch]()
+    model.load_state_dict(torch.load(MODELS_DIR / f"{arch}.pth", map_location="cpu",
+                                     weights_only=True))
+    images, _ = load_fashion_mnist("train")
+    train_idx, _ = train_val_indices(len(images))
+    out = export_and_calibrate(arch, model.eval(), log, images[train_idx])
+    log["onnx"], log["onnx_bytes"] = out.name, out.stat().st_size
+    (MODELS_DIR / f"{arch}.train.json").write_text(json.dumps(log, indent=2) + "\n")
+    print(f"{arch}: -> {out} ({log['onnx_bytes'] / 1e6:.1f} MB)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", choices=sorted(ARCHS), required=True)
@@ -185,7 +199,13 @@ def main() -> None:
                         help="torch threads (default: os.cpu_count())")
     parser.add_argument("--no-export", action="store_true",
                         help="train, write the state dict and the log only (no ONNX file)")
+    parser.add_argument("--export-only", action="store_true",
+                        help="no training: export and calibrate models/<arch>.pth with the "
+                        "normalisation its models/<arch>.train.json recorded")
     args = parser.parse_args()
+    if args.export_only:
+        export_trained(args.arch)
+        return
     log, model, clean = train(
         args.arch, args.epochs, args.seed, args.batch_size, args.lr, args.device, not args.no_flip,
         args.compile, args.channels_last, args.threads,
