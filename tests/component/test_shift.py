@@ -19,6 +19,7 @@ from tests.fixtures import SHIPPED, uniform_batch
 HEAD_NAMES = {
     "resnet_gn_fmnist": ("model.fc.weight", "model.fc.bias", None),
     "vit_fmnist": ("model.head.weight", "model.head.bias", "model.norm"),
+    "mobilenet_bn_fmnist": ("classifier.weight", "classifier.bias", None),  # graph rewriter's
 }
 
 
