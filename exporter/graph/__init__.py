@@ -52,7 +52,8 @@ def _load(source: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _analyse(proto: onnx.ModelProto, logits: str | None) -> tuple[
-        Source, dict[str, Probe], list[Affine]]:
+        Source, onnx.ModelProto, dict[str, Probe], list[Affine]]:
+    """The parsed source, its batch-pinned graph (as probed), the probes and the affines."""
     source = read_source(proto, logits)
     pinned = ir.serde.serialize_model(source.model)
     names = [out.name for node in source.model.graph for out in node.outputs if out.name]
@@ -70,7 +71,7 @@ def _analyse(proto: onnx.ModelProto, logits: str | None) -> tuple[
             f"no norm or affine layer before the classifier head ({source.head.op_type} node "
             f"{source.head.name!r}): nothing to adapt. EVA-0 adapts LayerNorm / GroupNorm / "
             "BatchNorm / InstanceNorm affines, or convolutions with a folded BatchNorm")
-    return source, probes, affines
+    return source, pinned, probes, affines
 
 
 def _ancestors(value: ir.Value) -> set[ir.Node]:
@@ -94,7 +95,7 @@ def default_adapt(affines: Sequence[Affine]) -> str:
 def list_affines(source: str | os.PathLike | onnx.ModelProto,
                  logits: str | None = None) -> list[tuple[int, str, str, tuple[int, ...]]]:
     """(index, op, name, weight shape) of every adaptable affine before the head."""
-    _, _, affines = _analyse(_load(source), logits)
+    *_, affines = _analyse(_load(source), logits)
     return [(i, a.op, a.base_name, tuple(a.weight0.shape)) for i, a in enumerate(affines)]
 
 
@@ -190,16 +191,12 @@ def make_adaptable(
     it, a batch it cannot make dynamic, a file whose rewritten logits at theta0 differ from the
     source's by more than 1e-4 (relative to the largest logit, if above 1).
     """
-    proto = _load(source)
-    original = onnx.ModelProto()
-    original.CopyFrom(proto)
-    src, probes, affines = _analyse(proto, logits)
+    src, pinned, probes, affines = _analyse(_load(source), logits)
     spec = adapt or default or default_adapt(affines)
     chosen = select(affines, spec)
     sidecar_path = _sidecar_for(source)
     sidecar_labels, sidecar = read_sidecar(sidecar_path) if sidecar_path else (None, {})
     pre = _preprocessing(src, preprocessing, sidecar)
-    pinned = ir.serde.serialize_model(src.model)
     logits_name, input_name = src.logits.name or "", src.pixels.name or ""
     model, layout, theta0, width = rewrite(src.model, src.pixels, src.logits, src.head_input,
                                            chosen, probes)

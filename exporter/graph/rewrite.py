@@ -164,8 +164,8 @@ class _Rewriter:
             normalised = affine.output
         elif affine.kind == "decomposed":
             assert affine.mul is not None
-            data = [v for v in affine.mul.inputs if v is not None and v.const_value is None
-                    and ir.convenience.get_const_tensor(v) is None]
+            data = [v for v in affine.mul.inputs
+                    if v is not None and ir.convenience.get_const_tensor(v) is None]
             normalised = data[0]
         elif node.op_type == "FusedConv":
             self._fused_conv(affine, weight, bias)
@@ -266,13 +266,11 @@ class _Rewriter:
         """Tile the prefix tensors the theta-dependent nodes read; return those nodes."""
         adapted = _downstream(self.theta)
         for node in list(adapted):
-            for index, value in enumerate(node.inputs):
-                if value is None or value is self.theta or value.const_value is not None:
+            for index, value in enumerate(node.inputs):  # the inputs as they were: the
+                if value is None or value is self.theta:  # tiles made here are not revisited
                     continue
                 producer = value.producer()
-                if producer in adapted or producer in self._own_nodes():
-                    continue
-                if producer is None and value is not self.pixels:
+                if producer in adapted or (producer is None and value is not self.pixels):
                     continue
                 if ir.convenience.get_const_tensor(value) is not None:
                     continue
@@ -284,14 +282,6 @@ class _Rewriter:
                 else:
                     node.replace_input_with(index, self.clone_shape(value))
         return adapted
-
-    def _own_nodes(self) -> set[ir.Node]:
-        own = {v.producer() for v in self._tiled.values()}
-        own.update(v.producer() for v in self._cloned.values())
-        if self._copies is not None:
-            own.add(self._copies.producer())
-        own.update(v.producer() for v in self._repeats.values())
-        return own
 
 
 def rewrite(model: ir.Model, pixels: ir.Value, logits: ir.Value, head_input: ir.Value,
