@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -26,7 +28,7 @@ def _batch(n: int = 8, shift: float = 2.0) -> np.ndarray:
 
 
 def _train_mode_logits(model: nn.Module, x: np.ndarray) -> np.ndarray:
-    probe = __import__("copy").deepcopy(model).train()
+    probe = copy.deepcopy(model).train()
     with torch.no_grad():
         return probe(torch.from_numpy(x)).numpy()
 
