@@ -12,7 +12,9 @@ shift (move the head input by s) costs no forward: ``head(h + s) = logits + W s`
 * prompt models: their ``head_input`` segment.
 
 :func:`read_head` finds W, b and the LayerNorm (if any) in the graph (float initializers, or
-DequantizeLinear of them in a quantized file); :meth:`LinearHead.matches` checks the reading
+DequantizeLinear of them in a quantized file), the classifier a Gemm, a MatMul or a 1x1 Conv,
+with or without a bias (none reads as zero: optimisers and quantizers drop an all-zero one);
+:meth:`LinearHead.matches` checks the reading
 against a real forward before anything uses it. :func:`cached_head` parses the file once per
 version and keeps the reading in the cache (``cache_dir()/head/<sha256>.npz``), as the split
 sessions keep their parts: the device path does not parse the weights a second time.
@@ -90,43 +92,96 @@ class LinearHead:
 
 def read_head(model: onnx.ModelProto, metadata: ModelMetadata) -> LinearHead:
     """The head of an adaptable model (see the module docstring); HeadError naming what is not
-    as expected."""
+    as expected.
+
+    The classifier is a Gemm, a MatMul or a 1x1 Conv over the head input, its bias the
+    Gemm's / Conv's own or a constant Add after it; a head without one (a zero bias dropped
+    by the exporter's optimiser or by quantization, which writes a bias-less Gemm as a bare
+    MatMul) reads as a zero bias. Quantize/dequantize pairs and reshapes between the layer and
+    the ``logits`` output are read through, and a weight or bias may be the DequantizeLinear
+    of an integer initializer (quant/'s QDQ files)."""
     graph = model.graph
     producers = {out: node for node in graph.node for out in node.output}
     constants = _Constants(graph, producers)
-    node = producers.get("logits")
-    if node is None:
+    if "logits" not in producers:
         raise HeadError("the graph has no 'logits' output")
-    while node.op_type in ("DequantizeLinear", "QuantizeLinear") and node.input[0] in producers:
-        node = producers[node.input[0]]  # a quantized file rounds the logits: read through
-    if node.op_type == "Gemm":
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        if attrs.get("transA", 0):
-            raise HeadError("the classifier Gemm transposes its input")
-        weight = constants.get(node.input[1]) * float(attrs.get("alpha", 1.0))
-        if not attrs.get("transB", 0):
-            weight = weight.T
-        bias = (  # an all-zero bias may have been folded away by the exporter's optimiser
-            constants.get(node.input[2]) * float(attrs.get("beta", 1.0))
-            if len(node.input) > 2 and node.input[2] else np.zeros(weight.shape[0])
-        )
-        source = node.input[0]
-    elif node.op_type == "Add" and node.input[0] in producers \
-            and producers[node.input[0]].op_type == "MatMul":
-        matmul = producers[node.input[0]]
-        weight = constants.get(matmul.input[1]).T
-        bias = constants.get(node.input[1])
-        source = matmul.input[0]
-    else:
+    node = _row_preserving_source("logits", producers)
+    bias: np.ndarray | None = None
+    if node.op_type == "Add":
+        node, bias = _add_of_affine(node, producers, constants)
+    elif node.op_type not in _AFFINE:
         raise HeadError(f"'logits' comes from a {node.op_type} node, not an affine classifier")
+    weight, own_bias, source = _affine(node, constants)
+    bias = own_bias if bias is None else bias if own_bias is None else own_bias + bias
+    if bias is None:
+        bias = np.zeros(weight.shape[0])
     norm = _layer_norm_before(source, producers, constants)
     segments = {s.name: s for s in metadata.feature_layout}
     seg = segments.get("head_input", metadata.feature_layout[-1])
     if weight.ndim != 2 or bias.shape != (weight.shape[0],) or seg.size != weight.shape[1]:
         raise HeadError(f"the classifier weight {list(weight.shape)} does not read the "
                         f"{seg.name!r} features ({seg.size} wide)")
-    return LinearHead(weight.astype(np.float64), bias.astype(np.float64).reshape(-1),
+    return LinearHead(weight.astype(np.float64), bias.astype(np.float64),
                       slice(seg.offset, seg.offset + seg.size), norm)
+
+
+# the layers a classifier head is: logits = x @ W.T (+ b)
+_AFFINE = ("Gemm", "MatMul", "Conv")
+# ops between the classifier layer and ``logits`` that keep each row's values, up to rounding
+_ROW_PRESERVING = ("DequantizeLinear", "QuantizeLinear", "Reshape", "Flatten", "Squeeze",
+                   "Identity")
+
+
+def _row_preserving_source(name: str, producers: dict[str, onnx.NodeProto]) -> onnx.NodeProto:
+    """The node producing tensor ``name`` (which has a producer), read through the ops of
+    ``_ROW_PRESERVING`` (a quantized file rounds the logits, a 1x1 Conv head flattens them)."""
+    node = producers[name]
+    while node.op_type in _ROW_PRESERVING and node.input[0] in producers:
+        node = producers[node.input[0]]
+    return node
+
+
+def _add_of_affine(
+    add: onnx.NodeProto, producers: dict[str, onnx.NodeProto], constants: _Constants
+) -> tuple[onnx.NodeProto, np.ndarray]:
+    """(the affine layer, the bias [K]) of ``Add(layer(x), bias)``, either operand order."""
+    for index in (0, 1):
+        layer, other = add.input[index], add.input[1 - index]
+        if layer not in producers or not constants.known(other):
+            continue
+        node = _row_preserving_source(layer, producers)
+        if node.op_type in _AFFINE:
+            return node, constants.get(other).reshape(-1)
+    raise HeadError("'logits' comes from an Add that is not an affine classifier plus a "
+                    "constant bias")
+
+
+def _affine(
+    node: onnx.NodeProto, constants: _Constants
+) -> tuple[np.ndarray, np.ndarray | None, str]:
+    """(weight [K, D], its own bias [K] or None, the input tensor's name) of a Gemm, MatMul or
+    1x1 Conv classifier layer."""
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    has_bias = len(node.input) > 2 and bool(node.input[2])
+    if node.op_type == "Gemm":
+        if attrs.get("transA", 0):
+            raise HeadError("the classifier Gemm transposes its input")
+        weight = constants.get(node.input[1]) * float(attrs.get("alpha", 1.0))
+        if not attrs.get("transB", 0):
+            weight = weight.T
+        bias = (constants.get(node.input[2]).reshape(-1) * float(attrs.get("beta", 1.0))
+                if has_bias else None)
+        return weight, bias, node.input[0]
+    if node.op_type == "MatMul":
+        return constants.get(node.input[1]).T, None, node.input[0]
+    weight = constants.get(node.input[1])  # Conv: [K, D, 1, 1] over a [N, D, 1, 1] input
+    if weight.ndim < 3 or any(size != 1 for size in weight.shape[2:]) \
+            or attrs.get("group", 1) != 1:
+        raise HeadError(f"the classifier Conv has kernel {list(weight.shape[2:])} and "
+                        f"{attrs.get('group', 1)} group(s); only an ungrouped 1x1 Conv is "
+                        "an affine classifier")
+    bias = constants.get(node.input[2]).reshape(-1) if has_bias else None
+    return weight.reshape(weight.shape[:2]), bias, node.input[0]
 
 
 def cached_head(path: str | os.PathLike, metadata: ModelMetadata) -> LinearHead:
@@ -178,6 +233,16 @@ class _Constants:
     def __init__(self, graph: onnx.GraphProto, producers: dict[str, onnx.NodeProto]) -> None:
         self.initializers = {t.name: t for t in graph.initializer}
         self.producers = producers
+
+    def known(self, name: str) -> bool:
+        """Whether tensor ``name`` is an initializer or computed from initializers by a node
+        :meth:`get` reads."""
+        node = self.producers.get(name)
+        return name in self.initializers or (
+            node is not None and node.op_type in ("Constant", "DequantizeLinear", "Identity",
+                                                  "Transpose")
+            and (node.op_type == "Constant" or self.known(node.input[0]))
+        )
 
     def get(self, name: str) -> np.ndarray:
         if name in self.initializers:

@@ -1,0 +1,42 @@
+"""Issue 48 item 3, the rough edges a user with their own model meets first, on small random timm
+exports as a user would make them: a quantized ViT's head without its zero bias."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from eva0_edge.quant import quantize_model
+from eva0_edge.runtime.policy import Policy
+from tests.fixtures import uniform_batch
+
+
+@pytest.fixture(scope="module")
+def shift_ready_vit(small_vit, tmp_path_factory):
+    """The small random ViT calibrated as `eva0-edge calibrate` does (head_input_mean too)."""
+    from eva0_edge.runtime.calibrate import calibrate_with_images
+
+    path = tmp_path_factory.mktemp("shiftvit") / "vit.onnx"
+    shutil.copy(small_vit.onnx_path, path)
+    images = np.random.default_rng(0).integers(0, 256, (64, 32, 32, 3), dtype=np.uint8)
+    return calibrate_with_images(path, images)
+
+
+@pytest.mark.parametrize("scheme", ["ptq4vit", "int8"])
+def test_a_quantized_vit_whose_head_lost_its_zero_bias_shifts(shift_ready_vit, tmp_path, scheme):
+    """The export drops the head's all-zero bias (a Gemm without C), ptq4vit writes that as a
+    bare MatMul: `--set activation_shift=1` reads it as a zero bias and shifts."""
+    out = tmp_path / f"{scheme}.onnx"
+    quantize_model(shift_ready_vit, out, 8, uniform_batch(16, seed=5), scheme)
+    x = uniform_batch(8, seed=9)
+    shifted = Policy.load(out, "noadapt", {"activation_shift": 1.0}, provider="cpu")
+    head = shifted.shift.head
+    np.testing.assert_array_equal(head.bias, np.zeros(10))
+    reference = Policy.load(shift_ready_vit, "noadapt", {"activation_shift": 1.0},
+                            provider="cpu").shift.head
+    error = np.abs(head.weight - reference.weight)  # the int8 grid, ptq4vit's searched clip
+    assert error.mean() <= 0.01 * np.abs(reference.weight).mean()
+    logits, features = shifted.session.run(x, np.repeat(shifted.metadata.theta0[None], 8, 0))
+    assert head.matches(logits.astype(np.float64), features)  # the file's own logits
