@@ -145,19 +145,38 @@ def _fits(value: Any, hint: Any) -> bool:
     )
 
 
+_KINDS = {bool: "a boolean (true/false, yes/no, on/off)", int: "an integer", float: "a number"}
+
+
+def _coerced(key: str, value: Any, hint: Any) -> Any:
+    """``value`` as the field ``key`` of annotated type ``hint`` takes it: as it is when it fits
+    (:func:`_fits`), 0 / 1 as a boolean, an integral number (4.0) as an integer; else
+    ValueError naming the key and the type it expects (``--set eta=abc``)."""
+    if _fits(value, hint):
+        return value
+    allowed = get_args(hint) or (hint,)
+    if not isinstance(value, (bool, np.bool_)) and isinstance(value, Real):
+        if bool in allowed and value in (0, 1):
+            return bool(value)
+        if int in allowed and float(value).is_integer():
+            return int(value)
+    kinds = " or ".join(_KINDS[kind] for kind in (bool, int, float) if kind in allowed)
+    if type(None) in allowed:
+        kinds += " or none"
+    raise ValueError(f"hyper-parameter {key} must be {kinds}, got {value!r:.40}")
+
+
 def replaced(config: Any, values: dict[str, Any]) -> Any:
-    """A copy of the frozen dataclass ``config`` with ``values`` applied; ValueError naming any
-    key it does not have, or a value not of the key's type (``--set eta=abc``)."""
+    """A copy of the frozen dataclass ``config`` with ``values`` applied, each coerced to its
+    field's type (:func:`_coerced`); ValueError naming any key it does not have, or a value not
+    of the key's type (``--set eta=abc``)."""
     known = {f.name for f in fields(config)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"unknown hyper-parameter(s) {unknown}; known: {sorted(known)}")
     hints = get_type_hints(type(config))
-    for key, value in values.items():
-        if not _fits(value, hints[key]):
-            kind = getattr(hints[key], "__name__", str(hints[key]))
-            raise ValueError(f"hyper-parameter {key} must be {kind}, got {value!r:.40}")
-    return replace(config, **values)
+    return replace(config, **{key: _coerced(key, value, hints[key])
+                              for key, value in values.items()})
 
 
 _FAMILY_RECOMMENDED: dict[str, dict[str, Any]] = {
@@ -217,16 +236,43 @@ def recommended_for_family(family: str) -> dict[str, Any]:
     return dict(_FAMILY_RECOMMENDED.get(family, {}))
 
 
+# the words a --set value may spell a boolean or None with, in any case
+_WORDS: dict[str, bool | None] = {
+    "true": True, "yes": True, "on": True, "false": False, "no": False, "off": False,
+    "none": None, "null": None,
+}
+
+
+class _Words(ast.NodeTransformer):
+    """Replaces the names of ``_WORDS`` (any case) in a parsed value by their constants."""
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        word = node.id.lower()
+        if word in _WORDS:
+            return ast.copy_location(ast.Constant(_WORDS[word]), node)
+        return node
+
+
+def parse_value(text: str) -> Any:
+    """One ``--set`` value: a Python literal (``0.001``, ``256``, ``[1, 1, 1, 1]``, ``True``)
+    where it parses as one, the words true/false, yes/no, on/off and none/null in any case
+    as booleans and None (inside lists too: ``[on, off]``), else the text itself (a string)."""
+    try:
+        tree = _Words().visit(ast.parse(text.strip(), mode="eval"))
+        return ast.literal_eval(tree)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return text
+
+
 def parse_key_values(items: Sequence[str]) -> dict[str, Any]:
-    """Parse ``["eta=0.001", "layers=[1,1,1,1]", "norm_layer=groupnorm"]``: values are Python
-    literals where they parse as one, else strings."""
+    """Parse ``["eta=0.001", "guard=on", "layers=[1,1,1,1]", "norm_layer=groupnorm"]``, each
+    value by :func:`parse_value`; a hyper-parameter's value is then coerced to its field's
+    type, or refused naming the key and the type, when the config takes it
+    (:func:`replaced`)."""
     values: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"bad setting {item!r}: use KEY=VALUE, e.g. eta=0.001")
-        try:
-            values[key.strip()] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            values[key.strip()] = value
+        values[key.strip()] = parse_value(value)
     return values

@@ -62,7 +62,7 @@ def test_a_budget_outside_one_to_the_methods_forwards_is_refused():
             Policy.load(RESNET, "eva0", {"budget": 1.5, "budget_burst": bad})
         with pytest.raises(ValueError, match="budget_burst must be between 1 and"):
             Policy.load(RESNET, "eva0", {"budget_burst": bad})  # no budget set (yet)
-    with pytest.raises(ValueError, match="budget_burst must be int"):
+    with pytest.raises(ValueError, match="budget_burst must be an integer"):
         Policy.load(RESNET, "eva0", {"budget": 1.5, "budget_burst": 12.5})
 
 

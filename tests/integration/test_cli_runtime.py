@@ -90,8 +90,8 @@ def test_adapt_npz_with_labels_to_csv(calibrated_vit, tmp_path, capsys):
         (["--input", "missing.npz"], "not found"),
         (["--output", "p.txt"], ".jsonl or .csv"),
         (["--set", "bogus=1"], "unknown hyper-parameter"),
-        (["--set", "eta=abc"], "hyper-parameter eta must be float, got 'abc'"),
-        (["--set", "guard=1"], "hyper-parameter guard must be bool"),
+        (["--set", "eta=abc"], "hyper-parameter eta must be a number, got 'abc'"),
+        (["--set", "guard=2"], "hyper-parameter guard must be a boolean"),
     ],
 )
 def test_adapt_bad_arguments_exit_2(calibrated_vit, tmp_path, capsys, args, message):

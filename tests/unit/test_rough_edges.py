@@ -140,3 +140,69 @@ def test_every_quantized_head_form_is_read(form):
 def test_a_head_that_is_not_affine_is_refused_in_words(nodes, initializers, message):
     with pytest.raises(HeadError, match=message):
         read_head(_graph(nodes, initializers), METADATA)
+
+
+# --set values: words for booleans and None, coerced to the field's type, refused in words
+
+
+@pytest.mark.parametrize("text, value", [
+    ("true", True), ("TRUE", True), ("Yes", True), ("on", True), ("True", True),
+    ("false", False), ("No", False), ("OFF", False), ("none", None), ("NULL", None),
+    ("None", None), ("0.001", 0.001), ("256", 256), ("1e-3", 1e-3), (" 2 ", 2),
+    ("[1, 1, 1, 1]", [1, 1, 1, 1]), ("[on, off, none]", [True, False, None]),
+    ("groupnorm", "groupnorm"), ("", ""),
+])
+def test_a_set_value_reads_words_numbers_and_lists(text, value):
+    from eva0_edge.runtime.config import parse_key_values
+
+    parsed = parse_key_values([f"key={text}"])["key"]
+    assert parsed == value and type(parsed) is type(value)
+
+
+@pytest.mark.parametrize("item, key, value", [
+    ("guard=on", "guard", True), ("guard=1", "guard", True), ("guard=0", "guard", False),
+    ("forwards=4.0", "forwards", 4), ("shift_max=none", "shift_max", None),
+    ("guard_audit=null", "guard_audit", None), ("eta=1", "eta", 1),
+])
+def test_a_set_value_is_coerced_to_the_fields_type(item, key, value):
+    from argparse import Namespace
+
+    from eva0_edge.runtime.cli import method_overrides
+    from eva0_edge.runtime.config import AdaptConfig
+
+    config = AdaptConfig().updated(method_overrides(Namespace(set=[item], budget=None)))
+    assert getattr(config, key) == value and type(getattr(config, key)) is type(value)
+
+
+def test_foa_settings_take_the_words_too():
+    from eva0_edge.runtime.config import parse_key_values
+    from eva0_edge.runtime.foa import FOAConfig
+
+    config = FOAConfig().updated(parse_key_values(["shift=off", "forwards=6.0", "budget=null"]))
+    assert config.shift is False and config.forwards == 6 and config.budget is None
+
+
+@pytest.mark.parametrize("item, message", [
+    ("eta=abc", "hyper-parameter eta must be a number, got 'abc'"),
+    ("eta=none", "hyper-parameter eta must be a number, got None"),
+    ("guard=2", "hyper-parameter guard must be a boolean (true/false, yes/no, on/off), got 2"),
+    ("guard=maybe", "hyper-parameter guard must be a boolean"),
+    ("forwards=2.5", "hyper-parameter forwards must be an integer, got 2.5"),
+    ("forwards=true", "hyper-parameter forwards must be an integer, got True"),
+    ("shift_max=far", "hyper-parameter shift_max must be a number or none, got 'far'"),
+])
+def test_a_set_value_of_the_wrong_type_is_refused_naming_key_and_type(item, message):
+    from eva0_edge.runtime.config import AdaptConfig, parse_key_values
+
+    with pytest.raises(ValueError) as err:
+        AdaptConfig().updated(parse_key_values([item]))
+    assert message in str(err.value)
+
+
+def test_a_tuning_grid_reads_values_as_set_does():
+    from eva0_edge.bench.testbed.tuning import parse_grid
+
+    assert parse_grid(["guard=on,OFF", "shift_max=none,2"]) == [
+        {"guard": True, "shift_max": None}, {"guard": True, "shift_max": 2},
+        {"guard": False, "shift_max": None}, {"guard": False, "shift_max": 2},
+    ]
