@@ -11,6 +11,7 @@ import numpy as np
 from .data import InputStream
 from .head import HeadError, LinearHead, read_head
 from .modelfile import load_onnx, read_metadata, save_onnx, set_metadata
+from .preprocess import pixels_uint8
 from .progress import progress_bar
 from .session import AdaptableSession
 
@@ -18,9 +19,11 @@ log = logging.getLogger(__name__)
 
 
 def source_statistics(
-    session: AdaptableSession, stream: InputStream, batch_size: int = 64, progress: bool = True
+    session: AdaptableSession, stream: InputStream, batch_size: int = 64, progress: bool = True,
+    skip_bad: bool = False,
 ) -> dict[str, np.ndarray]:
-    """The source statistics of the file's arrays over the whole stream under theta0:
+    """The source statistics of the file's arrays over the whole stream under theta0 (with
+    ``skip_bad``, an undecodable image file is left out and named in ``stream.skipped``):
     ``source_mean`` / ``source_std`` [F] of the alignment features and, when the classifier
     head can be read from the graph (:mod:`.head`), ``head_input_mean`` [D], the mean input of
     the classifier (what activation shifting moves toward)."""
@@ -36,7 +39,8 @@ def source_statistics(
     head_total = np.zeros(head.width if head else 0, dtype=np.float64)
     count = 0
     for _, x, _ in progress_bar(
-        stream.batches(batch_size), total=-(-len(stream) // batch_size), desc="calibrate",
+        stream.batches(batch_size, skip_bad=skip_bad), total=-(-len(stream) // batch_size),
+        desc="calibrate",
         unit="batch", quiet=not progress,
     ):
         x = session.check_input(x)
@@ -102,3 +106,23 @@ def calibrate_with_images(
     stats = source_statistics(session, stream, batch_size, progress=progress)
     return write_source_stats(model_path, model_path, stats["source_mean"], stats["source_std"],
                               stats.get("head_input_mean"))
+
+
+def sample_pixels(
+    stream: InputStream, count: int, seed: int = 0, batch_size: int = 64
+) -> np.ndarray:
+    """uint8 images [n, H, W, C] at the model's input size: ``count`` of the stream's
+    decodable images drawn without replacement with ``seed`` (all when it has no more), in
+    stream order; undecodable files are skipped (and named in ``stream.skipped``)."""
+    good = len(stream) - len(stream.skipped)
+    chosen = set(range(good)) if count >= good else set(
+        np.random.default_rng(seed).choice(good, count, replace=False).tolist())
+    kept, position = [], 0
+    for _, x, _ in stream.batches(batch_size, skip_bad=True):
+        rows = [i for i in range(len(x)) if position + i in chosen]
+        if rows:
+            kept.append(pixels_uint8(x[rows], stream.pre))
+        position += len(x)
+    if not kept:
+        raise ValueError("no decodable image to fit on")
+    return np.concatenate(kept)

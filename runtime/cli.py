@@ -207,11 +207,63 @@ def _cmd_calibrate(args: argparse.Namespace) -> None:
     metadata = read_metadata(args.model)
     session = AdaptableSession(args.model, metadata, args.provider)
     stream = open_input(args.data, metadata.preprocessing)
-    stats = source_statistics(session, stream, args.batch_size, progress=not args.quiet)
+    stats = source_statistics(session, stream, args.batch_size, progress=not args.quiet,
+                              skip_bad=True)
     write_source_stats(args.model, args.output, stats["source_mean"], stats["source_std"],
                        stats.get("head_input_mean"))
+    used = len(stream) - len(stream.skipped)
     print(f"wrote {args.output}: source statistics of {metadata.num_features} features "
-          f"from {len(stream)} images")
+          f"from {used} images" + _skipped(stream.skipped))
+    if args.fit:
+        _fit_safety(args, stream)
+
+
+def _skipped(skipped: list[tuple[str, str]]) -> str:
+    """``", 2 undecodable input(s) skipped (a.png, b.png)"``, or ``""``."""
+    names = list(dict.fromkeys(name for name, _ in skipped))
+    if not names:
+        return ""
+    more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+    return f", {len(names)} undecodable input(s) skipped ({', '.join(names[:5])}{more})"
+
+
+def _fit_safety(args: argparse.Namespace, stream: Any) -> None:
+    """``calibrate``'s second part: the guard's and the shift's bounds fitted on the clean
+    images and the testbed's corruptions of them, written into ``args.output``."""
+    import json
+
+    from .calibrate import sample_pixels
+    from .fitting import fit_log, fit_safety, write_fit
+
+    try:
+        from eva0_edge.bench.testbed.corruptions import CORRUPTIONS, corrupt_any
+    except ImportError as err:
+        raise missing_extra("calibrate (fitting the guard and the shift; --no-fit skips it)",
+                            "calibrate", err) from err
+    clean = sample_pixels(stream, args.fit_clean, args.seed)
+    base = sample_pixels(stream, args.fit_limit, args.seed + 1)
+    corrupted = {}
+    for name in progress_iter(CORRUPTIONS, "corrupt", args.quiet):
+        corrupted[name] = corrupt_any(base, name, args.severity, args.seed)
+    fit = fit_safety(args.output, clean, corrupted, args.severity, progress=not args.quiet)
+    write_fit(args.output, args.output, fit, "calibrate")
+    if args.fit_log:
+        from .atomic import atomic_write_bytes
+
+        atomic_write_bytes(args.fit_log, (json.dumps(fit_log(fit, args.output), indent=2)
+                                          + "\n").encode())
+    shift = (f"activation shift on (strength {fit.shift['activation_shift']:g}, bound "
+             f"{fit.shift_max:g})" if fit.shift_max is not None else
+             f"activation shift off ({fit.shift_off_reason})")
+    print(f"fitted on {len(clean)} clean images and {len(corrupted)} corruptions of {len(base)} "
+          f"(severity {args.severity}): health guard on ({len(fit.bounds)} bounds), {shift}")
+
+
+def progress_iter(items: Any, desc: str, quiet: bool) -> Any:
+    """``items`` under a progress bar (none with ``quiet``)."""
+    from .progress import progress_bar
+
+    return progress_bar(items, total=len(items), desc=desc, unit="step", quiet=quiet)
 
 
 def _cmd_adapt(args: argparse.Namespace) -> None:
@@ -341,7 +393,13 @@ def _serve_fleet(args: argparse.Namespace, model: Policy, options: ServeOptions,
     config = FleetConfig(threshold=args.fleet_threshold, combine=args.fleet_combine,
                          state_dir=args.state_dir,
                          keep=args.keep_snapshots, live_s=max(10.0, 5 * args.sync_every_s))
-    start_fleet(spec, args.replicas, config, args.host, args.port, args.ray_address, probe=model)
+    from .server.runner import free_port, listening_url
+
+    port = args.port or free_port(args.host)  # Ray Serve's proxy binds a port by number
+    url = listening_url((args.host, port))
+    log.info("the fleet will listen on %s (inference: POST %sv2/models/%s/infer) once its "
+             "replicas answer", url, url, options.name)
+    start_fleet(spec, args.replicas, config, args.host, port, args.ray_address, probe=model)
 
 
 def _is_loopback(host: str) -> bool:
@@ -366,10 +424,23 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--full", action="store_true", help="list every theta segment")
     p.set_defaults(func=_cmd_info)
 
-    p = sub.add_parser("calibrate", help="add source feature statistics from clean images")
+    p = sub.add_parser("calibrate", help="add source feature statistics from clean images and "
+                       "fit the health guard and the activation shift to them")
     p.add_argument("--model", required=True, help="adaptable .onnx file")
     p.add_argument("--data", required=True, help="clean images: folder, .npy or .npz")
     p.add_argument("-o", "--output", required=True, help="output .onnx (may equal --model)")
+    p.add_argument("--fit", action=argparse.BooleanOptionalAction, default=True,
+                   help="fit the guard's and the shift's bounds on the images and the testbed's "
+                   "15 corruptions of them, and turn both on (default on; needs the "
+                   "[calibrate] extra)")
+    p.add_argument("--fit-clean", type=int_in(64), default=1000, metavar="N",
+                   help="clean images the guard is fitted on (default %(default)s)")
+    p.add_argument("--fit-limit", type=int_in(64), default=200, metavar="N",
+                   help="images corrupted per corruption (default %(default)s)")
+    p.add_argument("--severity", type=int_in(1, 5), default=5,
+                   help="corruption severity of the fit (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="image choice and corruption seed")
+    p.add_argument("--fit-log", metavar="JSON", help="write every signal's range and bound here")
     add_runtime_options(p, method=False)
     p.set_defaults(func=_cmd_calibrate)
 

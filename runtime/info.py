@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from .metadata import ModelMetadata, Segment
+
+# the eva0 values that say what the guard and the shift run with (the rest are rates)
+SAFETY_KEYS = {"guard", "activation_shift", "shift_window", "shift_max"}
 
 
 def _segments(segments: list[Segment], limit: int) -> list[str]:
@@ -53,6 +59,7 @@ def describe(metadata: ModelMetadata, *, full: bool = False) -> str:
         f"features         [R, {metadata.num_features}] from {len(metadata.feature_layout)} taps",
         f"source stats     {_source_stats(metadata)}",
         f"quantization     {_quantization(quant)}",
+        *(f"{name:<17}{line}" for name, line in describe_fitted(metadata).items()),
         f"recommended      {metadata.recommended or '-'}",
         f"tuned per method {metadata.tuned or '-'}",
         f"format version   {metadata.format_version}",
@@ -62,3 +69,70 @@ def describe(metadata: ModelMetadata, *, full: bool = False) -> str:
         *_segments(metadata.feature_layout, 10**9 if full else 12),
     ]
     return "\n".join(lines)
+
+
+def describe_fitted(metadata: ModelMetadata) -> dict[str, str]:
+    """One line each for the guard, the activation shift and the rates: what is fitted and
+    from what (``eva0-edge info``)."""
+    eva0 = metadata.tuned.get("eva0", {})
+    fitted = metadata.fitted
+
+    def data(entry: Mapping[str, Any]) -> str:
+        severity = f" at severity {entry['severity']}" if entry.get("severity") else ""
+        return (f"{entry['by']} on {entry['clean_images']} clean images and "
+                f"{entry['corruptions']} corruptions of them{severity} "
+                f"(margin {entry['margin']:g})")
+
+    if "guard" in fitted:
+        guard = f"fitted by {data(fitted['guard'])}, " + ("on" if eva0.get("guard") else "off")
+    elif eva0.get("guard"):
+        guard = "on, bounds from the file (no record of their data)"
+    else:
+        guard = "never fitted (off): run `eva0-edge calibrate --data clean/`"
+    if not eva0.get("activation_shift"):
+        shift = "off" + ("" if metadata.has_source_stats else " (needs source statistics)")
+    else:
+        bound = (f", bound {eva0['shift_max']:g} fitted by {data(fitted['activation_shift'])}"
+                 if "activation_shift" in fitted else
+                 f", bound {eva0.get('shift_max', 'none')}")
+        shift = f"strength {eva0['activation_shift']:g} over {eva0.get('shift_window', '?')} " \
+                f"samples{bound}"
+    rates = fitted.get("rates")
+    if rates:
+        chosen = ", ".join(f"{k} {v:g}" for k, v in rates.get("values", {}).items())
+        tuned = f"tuned by {rates['by']} on {rates['images']} labelled images ({chosen})"
+    elif rates_tuned(metadata, "eva0"):
+        tuned = "tuned (no record of the data)"
+    else:
+        tuned = "the paper's defaults, never tuned for this model: run `eva0-edge tune`"
+    return {"guard": guard, "activation shift": shift, "rates": tuned}
+
+
+def guard_fitted(metadata: ModelMetadata) -> bool:
+    """Whether the file's guard bounds were fitted (by ``calibrate`` or a recipe)."""
+    return "guard" in metadata.fitted or any(
+        k.startswith("guard_") and k != "guard_audit" for k in metadata.recommended)
+
+
+def rates_tuned(metadata: ModelMetadata, method: str) -> bool:
+    """Whether the file holds rates tuned for ``method`` (not only the guard and the shift)."""
+    return any(k not in SAFETY_KEYS for k in metadata.tuned.get(method, {}))
+
+
+def unfitted_warning(
+    metadata: ModelMetadata, method: str, values: Mapping[str, Any]
+) -> str | None:
+    """One line for ``adapt`` / ``serve`` when EVA-0 (or its source-free form) runs on a model
+    whose guard or rates were never fitted; None otherwise, or when ``values`` (the user's
+    overrides) set them."""
+    if method.split("@")[0] not in ("eva0", "eva0-dagger"):
+        return None
+    base = method.split("@")[0]
+    missing = []
+    if not guard_fitted(metadata) and "guard" not in values:
+        missing.append("the health guard (off: `eva0-edge calibrate --data clean/` fits it)")
+    if not rates_tuned(metadata, base) and "eta" not in values:
+        missing.append("the rates (the paper's: `eva0-edge tune --data labelled/` tunes them)")
+    if not missing:
+        return None
+    return f"{metadata.architecture}: {' and '.join(missing)} never fitted to this model"

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 ADAPTED_INPUTS = ("theta", "prompt")
 META_KEY = "eva0_edge.meta"
 ARRAY_PREFIX = "eva0_edge.array."
@@ -69,7 +69,9 @@ class ModelMetadata:
     ``recommended``: hyper-parameters for every method (AdaptConfig keys). ``tuned``: per method,
     the values its tuning on the validation split chose (``models/recipes/tune.py``), applied
     after the method's own settings: AdaptConfig keys for the runtime methods, ``lr`` for the torch
-    baselines (format 3; absent in older files).
+    baselines (format 3; absent in older files). ``fitted``: what the safety features and the
+    rates were fitted on, per feature (``guard``, ``activation_shift``, ``rates``): the command
+    that fitted them, the images and the margins (format 4; absent in older files).
     """
 
     architecture: str
@@ -85,6 +87,7 @@ class ModelMetadata:
     black_box: bool = False
     recommended: dict[str, Any] = field(default_factory=dict)
     tuned: dict[str, dict[str, Any]] = field(default_factory=dict)
+    fitted: dict[str, dict[str, Any]] = field(default_factory=dict)
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
@@ -148,6 +151,7 @@ class ModelMetadata:
         self.validate()
         meta = asdict(self)
         meta.pop("arrays")
+        meta["format_version"] = FORMAT_VERSION  # what this runtime writes, whatever it read
         props = {META_KEY: json.dumps(meta, sort_keys=True)}
         for name, array in self.arrays.items():
             props[ARRAY_PREFIX + name] = _encode_array(array)

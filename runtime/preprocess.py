@@ -85,3 +85,13 @@ def preprocess_uint8(pixels: np.ndarray, pre: Preprocessing) -> np.ndarray:
     mode = "L" if pixels.shape[-1] == 1 else "RGB"
     images = [Image.fromarray(p[..., 0] if mode == "L" else p, mode) for p in pixels]
     return preprocess_images(images, pre)
+
+
+def pixels_uint8(pixel_values: np.ndarray, pre: Preprocessing) -> np.ndarray:
+    """The inverse of the normalisation: float32 ``pixel_values`` [N, C, H, W] -> the uint8
+    images [N, H, W, C] at the model's input size they were made from (exact for pixels made
+    by :func:`preprocess_uint8` / :func:`preprocess_images`; others are clipped to 0..255)."""
+    mean = np.asarray(pre.mean, dtype=np.float64)[:, None, None]
+    std = np.asarray(pre.std, dtype=np.float64)[:, None, None]
+    pixels = (pixel_values.astype(np.float64) * std + mean) * 255.0
+    return np.ascontiguousarray(np.uint8(np.clip(np.rint(pixels), 0, 255)).transpose(0, 2, 3, 1))

@@ -231,3 +231,35 @@ def corrupt_images(
         rng = np.random.default_rng([seed, corruption_id, severity, int(keys[i])])
         out[i] = corrupt_image(image, name, severity, rng)
     return out
+
+
+def corrupt_any(images: np.ndarray, name: str, severity: int, seed: int) -> np.ndarray:
+    """Corrupt uint8 images [N, H, W, C] of any size (C 1 or 3), image i seeded by
+    (seed, corruption, severity, i): 32 x 32 RGB images by :func:`corrupt_images` (the
+    CIFAR-10-C parameters), others by ``imagecorruptions``' own functions at ImageNet-C's
+    parameters (made for 224-pixel images); grey images are corrupted as RGB and averaged
+    back to one channel."""
+    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] not in (1, 3):
+        raise ValueError(f"expected uint8 [N, H, W, 1 or 3], got {images.dtype} "
+                         f"{list(images.shape)}")
+    if name not in CORRUPTIONS:
+        raise ValueError(f"unknown corruption {name!r}; known: {', '.join(CORRUPTIONS)}")
+    grey = images.shape[-1] == 1
+    rgb = np.repeat(images, 3, axis=-1) if grey else images
+    if rgb.shape[1:3] == (IMAGE_SIZE, IMAGE_SIZE):
+        out = corrupt_images(rgb, name, severity, seed)
+    else:
+        from imagecorruptions import corrupt
+
+        out = np.empty_like(rgb)
+        state = np.random.get_state()  # noqa: NPY002 (the library draws from the global one)
+        try:
+            for i, image in enumerate(rgb):
+                np.random.seed([seed, CORRUPTIONS.index(name), severity, i])  # noqa: NPY002
+                corrupted = corrupt(image, corruption_name=name, severity=severity)
+                out[i] = np.uint8(np.clip(np.rint(np.asarray(corrupted, np.float64)), 0, 255))
+        finally:
+            np.random.set_state(state)  # noqa: NPY002
+    if grey:
+        return np.uint8(np.rint(out.astype(np.float64).mean(axis=-1, keepdims=True)))
+    return out

@@ -146,16 +146,19 @@ def load_domains(spec: EvalSpec, progress: bool = True) -> list[Domain]:
 
 
 def evaluate(
-    spec: EvalSpec, out_dir: str | os.PathLike | None = None, progress: bool = True
+    spec: EvalSpec, out_dir: str | os.PathLike | None = None, progress: bool = True,
+    domains: list[Domain] | None = None,
 ) -> dict[str, StreamResult]:
-    """Run every method of ``spec`` at every batch size; write the report to ``out_dir`` if
-    given. Keys: the method name, with `` B=<batch>`` appended when several batch sizes run."""
+    """Run every method of ``spec`` at every batch size, on ``domains`` when given (else the
+    spec's dataset); write the report to ``out_dir`` if given. Keys: the method name, with
+    `` B=<batch>`` appended when several batch sizes run."""
     for name in spec.methods:
         check_method(name)
     split_overrides(spec.overrides)
     sizes = batch_sizes(spec)
     metadata = read_metadata(spec.model)
-    domains = load_domains(spec, progress)
+    if domains is None:
+        domains = load_domains(spec, progress)
     results = {}
     for batch in sizes:
         batch_spec = replace(spec, batch_size=batch, batch_sizes=None)

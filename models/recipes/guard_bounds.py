@@ -22,51 +22,8 @@ import time
 from pathlib import Path
 
 from eva0_edge.bench.testbed.evaluate import EvalSpec, load_domains
-from eva0_edge.runtime.guard import GuardBounds
+from eva0_edge.runtime.fitting import learnt_bounds, record_signals
 from eva0_edge.runtime.modelfile import load_onnx, read_metadata, save_onnx, set_metadata
-from eva0_edge.runtime.policy import Policy
-
-WATCH_ONLY = {"guard": True, **{f"guard_{name}": None for name in GuardBounds.__dataclass_fields__}}
-SIGNALS = ("entropy", "spread", "logit_norm", "drift", "alignment")
-
-
-def record(model_path: str, domains, batch: int, threads: int) -> dict[str, list[float]]:
-    """Every full-window value of every signal along one stream (no reset between domains)."""
-    model = Policy.load(model_path, "eva0", WATCH_ONLY, provider="cpu", threads=threads)
-    pre = model.metadata.preprocessing
-    seen: dict[str, list[float]] = {name: [] for name in SIGNALS}
-    for domain in domains:
-        for x, _ in domain.batches(batch, pre):
-            model.step(x)
-            if model.guard.windows.samples < model.guard.warmup:
-                continue
-            for name, value in model.stats()["guard"]["signals"].items():
-                if value is not None:
-                    seen[name].append(float(value))
-    return seen
-
-
-def learnt_bounds(extremes: dict[str, dict], margin: float) -> dict[str, float]:
-    """The guard_* values from the [min, max] of every signal in every stream: lower bounds
-    at min / margin (entropy's upper bound: the distance to 1 divided by the margin), upper
-    bounds at max x margin."""
-    def rounded(value: float) -> float:
-        return float(f"{value:.4g}")
-
-    seen = [n for n in SIGNALS if any(e[n] for e in extremes.values())]
-    lows = {n: min(e[n][0] for e in extremes.values() if e[n]) for n in seen}
-    highs = {n: max(e[n][1] for e in extremes.values() if e[n]) for n in seen}
-    bounds = {
-        "guard_entropy_min": lows["entropy"] / margin,
-        "guard_entropy_max": 1.0 - (1.0 - highs["entropy"]) / margin,
-        "guard_spread_min": lows["spread"] / margin,
-        "guard_logit_norm_min": lows["logit_norm"] / margin,
-        "guard_logit_norm_max": highs["logit_norm"] * margin,
-        "guard_drift_max": highs["drift"] * margin,
-    }
-    if "alignment" in seen:  # only with source statistics
-        bounds["guard_alignment_max"] = highs["alignment"] * margin
-    return {name: rounded(value) for name, value in bounds.items()}
 
 
 def main() -> None:
@@ -90,7 +47,8 @@ def main() -> None:
     extremes: dict[str, dict] = {}
     for stream, domains in streams.items():
         for batch in (int(b) for b in args.batch_sizes.split(",")):
-            seen = record(args.model, domains, batch, args.threads)
+            seen = record_signals(args.model, [d.images for d in domains], batch,
+                                  threads=args.threads)
             extremes[f"{stream} B={batch}"] = {
                 name: [min(v), max(v)] if v else None for name, v in seen.items()
             }
@@ -103,6 +61,11 @@ def main() -> None:
         metadata.recommended = {**metadata.recommended, **bounds}
         metadata.tuned = {**metadata.tuned, "eva0": {**metadata.tuned.get("eva0", {}),
                                                      "guard": True}}
+        metadata.fitted = {**metadata.fitted, "guard": {
+            "by": "models/recipes/guard_bounds.py", "clean_images": args.clean_limit,
+            "corruptions": len(streams["continual"]), "images_per_corruption": args.limit,
+            "severity": 5, "batch_sizes": sorted({int(k.rsplit("=", 1)[1]) for k in extremes}),
+            "margin": args.margin}}
         save_onnx(set_metadata(model, metadata), args.model)
     log = Path(args.model).with_suffix(".guard.json")
     log.write_text(json.dumps({

@@ -18,32 +18,11 @@ import json
 from pathlib import Path
 
 import numpy as np
-from tune import write_choice
 
 from eva0_edge.bench.testbed.corruptions import CORRUPTIONS
 from eva0_edge.bench.testbed.datasets import CLEAN, fmnist_c_domains
-from eva0_edge.runtime.preprocess import preprocess_uint8
-from eva0_edge.runtime.session import AdaptableSession
-from eva0_edge.runtime.shift import load_shift
-
-
-def domain_distances(model: str, limit: int, severity: int) -> dict[str, float]:
-    """||m_source - m_domain|| [head-input units] per validation domain, at theta0."""
-    session = AdaptableSession(model, None, "cpu", threads=1)
-    shift = load_shift(session, 1.0, 1.0)
-    metadata = session.metadata
-    domains = fmnist_c_domains(severity, "val", corruptions=[*CORRUPTIONS, CLEAN],
-                               indices=np.arange(limit), progress=False)
-    distances = {}
-    for domain in domains:
-        total = np.zeros(shift.head.width)
-        for start in range(0, len(domain), 250):
-            x = preprocess_uint8(domain.images[start : start + 250], metadata.preprocessing)
-            theta = np.broadcast_to(metadata.theta0, (len(x), metadata.num_params))
-            _, features = session.run(x, theta)
-            total += shift.head.head_input(features).sum(axis=0)
-        distances[domain.name] = float(np.linalg.norm(shift.source_mean - total / len(domain)))
-    return distances
+from eva0_edge.bench.testbed.tuner import write_choice
+from eva0_edge.runtime.fitting import head_distances
 
 
 def main() -> None:
@@ -54,7 +33,9 @@ def main() -> None:
     parser.add_argument("--margin", type=float, default=1.5)
     parser.add_argument("--write", action="store_true", help="store it in eva0's tuned values")
     args = parser.parse_args()
-    distances = domain_distances(args.model, args.limit, args.severity)
+    domains = fmnist_c_domains(args.severity, "val", corruptions=[*CORRUPTIONS, CLEAN],
+                               indices=np.arange(args.limit), progress=False)
+    distances = head_distances(args.model, {d.name: d.images for d in domains})
     bound = float(f"{max(distances.values()) * args.margin:.4g}")
     log = {"model": Path(args.model).name, "split": "val", "severity": args.severity,
            "limit": args.limit, "margin": args.margin, "distances": distances,

@@ -50,98 +50,35 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import time
 from pathlib import Path
-from typing import Any
 
-from eva0_edge.bench.testbed.backprop import PAPER_LR
-from eva0_edge.bench.testbed.bnstats import BN_METHODS
-from eva0_edge.bench.testbed.bnstats import DEFAULTS as BN_DEFAULTS
-from eva0_edge.bench.testbed.evaluate import BACKPROP, EvalSpec, evaluate
+from eva0_edge.bench.testbed.evaluate import EvalSpec, evaluate, load_domains
 from eva0_edge.bench.testbed.prompt_variant import tune_log_path
-from eva0_edge.bench.testbed.tuning import beyond_edge, choose, parse_grid, spending_bound
-from eva0_edge.runtime.config import AdaptConfig, parse_key_values
-from eva0_edge.runtime.foa import FOA_METHODS, FOAConfig
+from eva0_edge.bench.testbed.tuner import (
+    PROTOCOLS,
+    TuneData,
+    TuneSettings,
+    default_grid,
+    run_tuning,
+    write_choice,
+)
+from eva0_edge.bench.testbed.tuning import choose, parse_grid
+from eva0_edge.runtime.config import parse_key_values
 from eva0_edge.runtime.methods import is_prompt_method
-from eva0_edge.runtime.modelfile import load_onnx, read_metadata, save_onnx, set_metadata
-from eva0_edge.runtime.policy import Policy
+from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.session import SessionSettings
 
-PROTOCOLS = ("single", "continual")
-SCALES = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
-EVA0_ONLY = {"activation_shift", "shift_window", "shift_max"}
 
-
-def current_values(model: str, method: str) -> dict[str, float]:
-    """The step size ``method`` runs with today on ``model`` (before tuning)."""
-    metadata = read_metadata(model)
-    if method in FOA_METHODS:
-        return {"lambda_fit": FOAConfig().updated(metadata.tuned.get(method, {})).lambda_fit}
-    if method in BN_METHODS:
-        (key, value), = {**BN_DEFAULTS[method], **metadata.tuned.get(method, {})}.items()
-        return {key: float(value)}
-    if method in BACKPROP:
-        default = PAPER_LR.get(metadata.family, 1e-3)
-        return {"lr": metadata.tuned.get(method, {}).get("lr", default)}
-    return {"eta": Policy.load(model, method, provider="cpu").config.eta}
-
-
-def default_grid(model: str, method: str) -> list[dict[str, float]]:
-    """The step size at :data:`SCALES` times its current value."""
-    (key, value), = current_values(model, method).items()
-    return [{key: float(f"{value * s:.6g}")} for s in SCALES]
-
-
-def score(
-    args: argparse.Namespace, method: str, overrides: dict[str, Any]
-) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
-    """Accuracy (%) per cell, ``<protocol> B=<b>`` (corrupted average) and ``clean B=<b>``,
-    each corrupted cell's measured forwards per sample, and (with ``args.max_forwards``) the
-    most a budget of that many forwards may spend in the cell; ``args.fixed`` applies under
-    ``overrides``."""
-    common = dict(
-        model=args.model, dataset="fmnist-c", severity=args.severity, batch_size=64,
-        methods=[method], batch_sizes=args.batch_sizes, split="val",
-        overrides={**args.fixed, **overrides},
-        session=SessionSettings(provider="cpu", threads=args.threads),
-    )
-    cells, forwards, bounds = {}, {}, {}
-    for protocol in args.protocols:
-        results = evaluate(EvalSpec(protocol=protocol, limit=args.limit, **common), progress=False)
-        for r in results.values():
-            cell = f"{protocol} B={r.batch}"
-            cells[cell], forwards[cell] = r.average, r.forwards_per_sample
-            if args.max_forwards is not None:
-                bounds[cell] = spending_bound(args.max_forwards, protocol, r)
-    clean = evaluate(
-        EvalSpec(protocol="single", limit=args.clean_limit, corruptions=["clean"], **common),
-        progress=False,
-    )
-    cells.update({f"clean B={r.batch}": r.average for r in clean.values()})
-    return cells, forwards, bounds
-
-
-def noadapt_reference(args: argparse.Namespace) -> dict[str, float]:
-    """NoAdapt on the same images (it does not depend on the batch size)."""
-    args_64 = argparse.Namespace(**{**vars(args), "batch_sizes": [64], "fixed": {}})
-    cells, _, _ = score(args_64, "noadapt", {})
-    return {
-        f"{kind} B={b}": cells[f"{kind} B=64"]
-        for kind in (*args.protocols, "clean") for b in args.batch_sizes
-    }
-
-
-def write_choice(model_path: str, method: str, values: dict[str, Any]) -> None:
-    """Store ``values`` as ``method``'s tuned values in the model file (eva0's also as the
-    file's recommended values)."""
-    model = load_onnx(model_path)
-    metadata = read_metadata(model)
-    metadata.tuned = {**metadata.tuned, method: {**metadata.tuned.get(method, {}), **values}}
-    if method == "eva0":  # the activation shift stays eva0's: NoAdapt and the peers read
-        shared = {k: v for k, v in values.items() if k not in EVA0_ONLY}  # recommended too
-        metadata.recommended = {**metadata.recommended, **shared}
-    save_onnx(set_metadata(model, metadata), model_path)
+def validation_data(model: str, limit: int, clean_limit: int, severity: int) -> TuneData:
+    """Fashion-MNIST-C's validation split: ``limit`` images of each corruption at
+    ``severity`` and ``clean_limit`` clean images (seeded subsets)."""
+    common = dict(model=model, dataset="fmnist-c", protocol="single", severity=severity,
+                  batch_size=64, methods=["noadapt"], split="val")
+    return TuneData(
+        load_domains(EvalSpec(limit=limit, **common), progress=False),
+        load_domains(EvalSpec(limit=clean_limit, corruptions=["clean"], **common),
+                     progress=False),
+        "fmnist-c", severity)
 
 
 def tune_prompt_method(args: argparse.Namespace) -> None:
@@ -188,23 +125,9 @@ def main() -> None:
                         help="re-apply the choice to the existing log instead of scoring")
     args = parser.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    args.protocols = [p.strip() for p in args.protocols.split(",") if p.strip()]
-    args.fixed = parse_key_values(args.set)
-    if args.method in FOA_METHODS:
-        known = set(FOAConfig.__dataclass_fields__)
-    elif args.method in BN_METHODS:
-        known = set(BN_DEFAULTS[args.method])
-    elif args.method in BACKPROP:
-        known = {"lr"}
-    elif is_prompt_method(args.method):
+    if is_prompt_method(args.method):
         tune_prompt_method(args)
         return
-    else:
-        known = set(AdaptConfig.__dataclass_fields__)
-    unknown = {k for c in parse_grid(args.grid or []) for k in c} - known
-    if unknown:
-        raise SystemExit(f"--grid keys {sorted(unknown)} do not apply to {args.method}")
-    start = time.time()
     out = Path(args.log) if args.log else Path(args.model).with_name(
         f"{Path(args.model).stem}.tune-{args.method}.json"
     )
@@ -218,34 +141,20 @@ def main() -> None:
             write_choice(args.model, args.method, best["config"])
         print(f"{args.method}: best {best['config']} (re-chosen from {out})")
         return
+    settings = TuneSettings(
+        batch_sizes=args.batch_sizes,
+        protocols=[p.strip() for p in args.protocols.split(",") if p.strip()],
+        clean_margin=args.clean_margin, max_forwards=args.max_forwards,
+        fixed=parse_key_values(args.set), extend=args.extend, threads=args.threads)
     configs = parse_grid(args.grid) if args.grid else default_grid(args.model, args.method)
-    reference = noadapt_reference(args)
-    print(json.dumps({"noadapt": reference}), flush=True)
-
-    def scored(config: dict[str, Any]) -> dict[str, Any]:
-        cells, forwards, bounds = score(args, args.method, config)
-        row = {"config": config, "cells": cells, "forwards": forwards, "forwards_bound": bounds}
-        print(json.dumps(row), flush=True)
-        return row
-
-    rows = [scored(config) for config in configs]
-    best = choose(rows, reference, args.clean_margin, args.max_forwards)
-    for _ in range(args.extend):
-        beyond = beyond_edge(best["config"], [row["config"] for row in rows])
-        if beyond is None:
-            break
-        rows.append(scored(beyond))
-        best = choose(rows, reference, args.clean_margin, args.max_forwards)
+    data = validation_data(args.model, args.limit, args.clean_limit, args.severity)
+    report = run_tuning(args.model, args.method, configs, data, settings, progress=False,
+                        echo=lambda row: print(json.dumps(row), flush=True))
+    best = report["best"]
     if args.write:
         write_choice(args.model, args.method, best["config"])
-    report = {
-        "model": Path(args.model).name, "method": args.method, "split": "val",
-        "severity": args.severity, "limit": args.limit, "clean_limit": args.clean_limit,
-        "batch_sizes": args.batch_sizes, "clean_margin": args.clean_margin,
-        "protocols": args.protocols, "fixed": args.fixed, "max_forwards": args.max_forwards,
-        "noadapt": reference, "best": best, "grid": rows,
-        "seconds": time.time() - start, "load_average": os.getloadavg(),
-    }
+    report = {"model": Path(args.model).name, **report, "limit": args.limit,
+              "clean_limit": args.clean_limit}
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"{args.method}: best {best['config']} (mean {best['mean_corrupted']:.2f}, worst gain "
           f"{best['worst_gain']:+.2f}, eligible {best['eligible']}) -> log {out}")

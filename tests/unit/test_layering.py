@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # The policy and what is built on it; everything else in eva0_edge.runtime is the core below it
 ABOVE_CORE = ("eva0_edge.cli", "eva0_edge.runtime.cli", "eva0_edge.runtime.policy",
+              "eva0_edge.runtime.fitting",
               "eva0_edge.runtime.methods", "eva0_edge.runtime.server")
 # the runtime package itself: the public API facade (``from eva0_edge.runtime import ...``)
 FACADE = "eva0_edge.runtime"
