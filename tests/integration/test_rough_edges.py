@@ -40,3 +40,37 @@ def test_a_quantized_vit_whose_head_lost_its_zero_bias_shifts(shift_ready_vit, t
     assert error.mean() <= 0.01 * np.abs(reference.weight).mean()
     logits, features = shifted.session.run(x, np.repeat(shifted.metadata.theta0[None], 8, 0))
     assert head.matches(logits.astype(np.float64), features)  # the file's own logits
+
+
+def test_serve_logs_the_url_it_listens_on_with_port_0(tmp_path):
+    """`serve --port 0` binds any free port and says which, in one line, once listening."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from tests.fixtures import MODEL, NAME
+
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "eva0_edge.cli", "serve", "--model", str(MODEL), "--port",
+             "0", "--threads", "1"], stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+    try:
+        deadline, found = time.monotonic() + 60, None
+        while found is None and time.monotonic() < deadline and process.poll() is None:
+            found = re.search(r"listening on (http://127\.0\.0\.1:(\d+)/) \(inference: POST "
+                              r"\1v2/models/(\S+)/infer\)", log_path.read_text())
+            time.sleep(0.1)
+        assert found is not None, log_path.read_text()
+        assert int(found.group(2)) > 0 and found.group(3) == NAME
+        with urllib.request.urlopen(found.group(1) + "v2/health/ready", timeout=10) as answer:
+            assert answer.status == 200  # listening when the line is written
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)

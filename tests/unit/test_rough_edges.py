@@ -206,3 +206,11 @@ def test_a_tuning_grid_reads_values_as_set_does():
         {"guard": True, "shift_max": None}, {"guard": True, "shift_max": 2},
         {"guard": False, "shift_max": None}, {"guard": False, "shift_max": 2},
     ]
+
+
+def test_a_listening_url_brackets_ipv6_hosts():
+    from eva0_edge.runtime.server.runner import free_port, listening_url
+
+    assert listening_url(("127.0.0.1", 8000)) == "http://127.0.0.1:8000/"
+    assert listening_url(("::1", 8000, 0, 0)) == "http://[::1]:8000/"
+    assert 0 < free_port("127.0.0.1") < 65536
