@@ -95,8 +95,9 @@ def describe_fitted(metadata: ModelMetadata) -> dict[str, str]:
         bound = (f", bound {eva0['shift_max']:g} fitted by {data(fitted['activation_shift'])}"
                  if "activation_shift" in fitted else
                  f", bound {eva0.get('shift_max', 'none')}")
-        shift = f"strength {eva0['activation_shift']:g} over {eva0.get('shift_window', '?')} " \
-                f"samples{bound}"
+        window = eva0.get("shift_window")
+        shift = (f"strength {eva0['activation_shift']:g} over "
+                 f"{'?' if window is None else format(window, 'g')} samples{bound}")
     rates = fitted.get("rates")
     if rates:
         chosen = ", ".join(f"{k} {v:g}" for k, v in rates.get("values", {}).items())

@@ -2,8 +2,9 @@
 
 ``export`` (:mod:`eva0_edge.exporter.cli`), ``info`` / ``calibrate`` / ``adapt`` / ``serve``
 (:mod:`eva0_edge.runtime.cli`), ``quantize`` (:mod:`eva0_edge.quant.cli`), ``eval`` / ``bench``
-(:mod:`eva0_edge.bench.cli`). Subcommands that need torch or the benchmark extras import them
-when they run, so the device subcommands work on an install without them.
+(:mod:`eva0_edge.bench.cli`), ``tune`` (:mod:`eva0_edge.bench.tune_cli`). Subcommands that need
+torch or the benchmark extras import them when they run, so the device subcommands work on an
+install without them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 
 from eva0_edge import __version__
 from eva0_edge.bench.cli import add_commands as add_bench_commands
+from eva0_edge.bench.tune_cli import add_command as add_tune_command
 from eva0_edge.exporter.cli import add_commands as add_export_commands
 from eva0_edge.quant.cli import add_commands as add_quant_commands
 from eva0_edge.runtime.cli import add_commands as add_runtime_commands
@@ -34,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_commands in (add_export_commands, add_runtime_commands, add_quant_commands,
-                         add_bench_commands):
+                         add_bench_commands, add_tune_command):
         add_commands(sub)
     return parser
 
