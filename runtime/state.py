@@ -7,6 +7,11 @@ truncated or tampered file fails the checksum and is refused with :class:`StateE
 The checksum proves integrity, not sense: anyone can re-sign a state. So every state is also
 validated before it is used: member sizes from the archive's headers before anything is
 decompressed, every array 1-D, floating and finite, every scalar of its type and range.
+
+A state of another model (another fingerprint, or adapted parameters, features or classes of
+other sizes) is refused first, in words: "this state is for another model (P' adapted
+parameters, F' features, K' classes; saved by METHOD), not this one (P ..., F ..., K ...)",
+the sizes read from the archive's headers alone.
 """
 
 from __future__ import annotations
@@ -227,14 +232,16 @@ def encode_state(state: AdaptState, fingerprint: str, info: dict[str, Any]) -> b
 def check_state_sizes(state: AdaptState, sizes: dict[str, int]) -> None:
     """Every array of ``state`` against a model's sizes (elements per array): the
     activation-shift windows hold at most their size (empty until used), the rest exactly;
-    StateError names the first that does not fit."""
+    StateError names the first that does not fit (the state is for another model)."""
     for name, size in sizes.items():
         value = getattr(state, name)
         if name in _OPTIONAL_ARRAYS:
             if value.size > size:
-                raise StateError(f"state {name} has {value.size} values, the model at most {size}")
+                raise StateError(f"this state is for another model: state {name} has "
+                                 f"{value.size} values, this model's at most {size}")
         elif value.shape != (size,):
-            raise StateError(f"state {name} has shape {value.shape}, model needs ({size},)")
+            raise StateError(f"this state is for another model: state {name} has shape "
+                             f"{value.shape}, this model needs ({size},)")
 
 
 def check_member_sizes(data: bytes, sizes: dict[str, int]) -> None:
@@ -290,12 +297,67 @@ def _npy_header(archive: zipfile.ZipFile, member: zipfile.ZipInfo) -> tuple[tupl
     return shape, dtype
 
 
+# the arrays whose sizes are the model's: adapted parameters, features, classes
+_MODEL_SIZES = (("theta", "adapted parameters"), ("mean", "features"), ("center", "classes"))
+
+
+def _foreign(data: bytes, fingerprint: str | None, sizes: dict[str, int] | None) -> str | None:
+    """Why the state in ``data`` is for another model than the one of ``fingerprint`` and
+    ``sizes`` (elements per array), naming both models by their sizes and the state's method;
+    None when it is not, or cannot be told (an unreadable archive is refused by the checks
+    that follow). Reads the zip directory, the ``.npy`` headers of theta, mean and center and
+    ``__meta__`` (at most ``_META_BYTES``), nothing else."""
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+        members = {m.filename.removesuffix(".npy"): m for m in archive.infolist()}
+        shapes = {name: _npy_header(archive, members[name])[0] for name, _ in _MODEL_SIZES}
+    except (KeyError, ValueError, StateError, zipfile.BadZipFile):
+        return None
+    if any(len(shape) != 1 for shape in shapes.values()):
+        return None  # refused as malformed by check_member_sizes / from_dict
+    recorded = {name: int(shape[0]) for name, shape in shapes.items()}
+    meta = _small_meta(archive, members.get("__meta__"))
+    ours = dict(sizes or {})
+    differ = any(name in ours and recorded[name] != ours[name] for name, _ in _MODEL_SIZES)
+    if not differ and (fingerprint is None or meta.get("fingerprint") == fingerprint):
+        return None
+    info = meta.get("info")
+    method = info.get("method") if isinstance(info, dict) else None
+    saved = f"; saved by {method}" if isinstance(method, str) and method else ""
+    this = f", not this one ({_sizes_in_words(ours)})" if ours else ""
+    same = "; the same sizes, another architecture or theta0" if ours and not differ else ""
+    return (f"this state is for another model ({_sizes_in_words(recorded)}{saved}){this}"
+            f"{same}")
+
+
+def _small_meta(archive: zipfile.ZipFile, member: zipfile.ZipInfo | None) -> dict[str, Any]:
+    """The ``__meta__`` JSON object of ``archive`` when it is one string of at most
+    ``_META_BYTES``, else ``{}`` (the checks that follow refuse it)."""
+    if member is None or member.file_size > _META_BYTES:
+        return {}
+    try:
+        with archive.open(member) as stream:
+            meta = json.loads(str(np.lib.format.read_array(stream, allow_pickle=False)))
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _sizes_in_words(sizes: dict[str, int]) -> str:
+    """``"1536 adapted parameters, 192 features, 10 classes"`` of the model-sized arrays."""
+    return ", ".join(f"{sizes[name]} {words}" for name, words in _MODEL_SIZES if name in sizes)
+
+
 def decode_state(
     data: bytes, fingerprint: str | None = None, sizes: dict[str, int] | None = None
 ) -> tuple[AdaptState, dict]:
-    """Parse npz bytes; check member sizes first (``sizes``: elements per array, see
-    :func:`check_member_sizes`), then the checksum, the model fingerprint (if given) and every
-    value (:meth:`AdaptState.from_dict`)."""
+    """Parse npz bytes; refuse a state of another model first (:func:`_foreign`: the
+    fingerprint and the sizes in the archive's headers), then check member sizes (``sizes``:
+    elements per array, see :func:`check_member_sizes`), the checksum, the model fingerprint
+    (if given) and every value (:meth:`AdaptState.from_dict`)."""
+    foreign = _foreign(data, fingerprint, sizes)
+    if foreign is not None:
+        raise StateError(foreign)
     if sizes is not None:
         check_member_sizes(data, sizes)
     try:
@@ -315,7 +377,7 @@ def decode_state(
     if _digest(arrays) != meta.get("sha256"):
         raise StateError("state checksum mismatch: the file is corrupt or was modified")
     if fingerprint is not None and meta.get("fingerprint") != fingerprint:
-        raise StateError("state belongs to another model (fingerprint mismatch)")
+        raise StateError("this state is for another model (its fingerprint differs)")
     scalars = meta.get("scalars")
     if not isinstance(scalars, dict):
         raise StateError("state metadata has no scalars")

@@ -70,8 +70,8 @@ class StateLimits:
         for name in ("shift_mean", "shift_recent"):
             size = getattr(state, name).size
             if self.shift_width is not None and size not in (0, self.shift_width):
-                raise StateError(f"state {name} has {size} values; this model's head input "
-                                 f"has {self.shift_width}")
+                raise StateError(f"this state is for another model: state {name} has {size} "
+                                 f"values, this model's head input {self.shift_width}")
         theta0 = self.theta0.astype(np.float64)
         for name in ("theta", "anchor", "healthy_theta"):
             distance = float(np.linalg.norm(getattr(state, name) - theta0))

@@ -1,11 +1,13 @@
 """Issue 48 item 3, the rough edges a user with their own model meets first, on the shipped
-models: the fleet's address, said before it deploys."""
+models: the fleet's address, said before it deploys; a state of another model, refused in
+words."""
 
 from __future__ import annotations
 
 import logging
 import re
 
+import numpy as np
 import pytest
 
 from eva0_edge.cli import build_parser
@@ -29,3 +31,107 @@ def test_the_fleet_says_its_url_and_binds_a_real_port_for_port_0(monkeypatch, ca
     assert started["host"] == "127.0.0.1" and started["port"] > 0
     url = f"http://127.0.0.1:{started['port']}/"
     assert re.search(f"will listen on {re.escape(url)} .*v2/models/{NAME}/infer", caplog.text)
+
+
+# a state of another model: said in words, every way it can differ and every way it is loaded
+
+
+@pytest.fixture(scope="module")
+def shipped_models():
+    """The three shipped models under EVA-0, a step into a stream: (ViT, ResNet-GN, BN)."""
+    from eva0_edge.runtime.policy import Policy
+    from tests.fixtures import SHIPPED, uniform_batch
+
+    models = [Policy.load(path, "eva0", provider="cpu", threads=1) for path in SHIPPED]
+    for model in models:
+        model.step(uniform_batch(4))
+    return models
+
+
+def _in_words(model) -> str:
+    md = model.metadata
+    return (f"{md.num_params} adapted parameters, {md.num_features} features, "
+            f"{md.num_classes} classes")
+
+
+def _resigned(model, fingerprint: str | None = None, **arrays) -> bytes:
+    """``model``'s state with ``arrays`` replaced, re-signed (a valid checksum)."""
+    from eva0_edge.runtime.state import encode_state
+
+    state = model.state.copy()
+    for name, value in arrays.items():
+        setattr(state, name, value)
+    return encode_state(state, fingerprint or model.fingerprint, {"method": "eva0"})
+
+
+@pytest.mark.parametrize("source, target", [(0, 1), (1, 0), (0, 2), (2, 0), (1, 2), (2, 1)])
+def test_a_state_of_another_shipped_model_is_refused_in_words(shipped_models, tmp_path,
+                                                              source, target):
+    """Larger or smaller: the same words, naming both models, from bytes and from a file."""
+    from eva0_edge.runtime.state import StateError
+
+    other, model = shipped_models[source], shipped_models[target]
+    before = model.state_bytes()
+    expected = (f"this state is for another model ({_in_words(other)}; saved by eva0), "
+                f"not this one ({_in_words(model)})")
+    with pytest.raises(StateError) as err:
+        model.load_state_bytes(other.state_bytes())
+    assert str(err.value) == expected
+    path = other.save_state(tmp_path / "other.npz")
+    with pytest.raises(StateError) as err:
+        model.load_state(path)
+    assert str(err.value) == f"{path}: {expected}"
+    with pytest.raises(StateError, match="^this state is for another model: state theta"):
+        model.load_state_dict(other.state_dict())
+    assert model.state_bytes() == before
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda m: {"theta": np.zeros(m.metadata.num_params + 1, np.float32)},
+     "adapted parameters"),
+    (lambda m: {"mean": np.zeros(m.metadata.num_features - 1)}, "features"),
+    (lambda m: {"center": np.zeros(m.metadata.num_classes + 2)}, "classes"),
+    (lambda m: {"fingerprint": "0123456789abcdef"}, "the same sizes, another architecture"),
+])
+def test_every_way_a_state_can_be_for_another_model_says_so(shipped_models, change, words):
+    """Theta, features, classes, or the architecture / theta0 (the fingerprint) at the same
+    sizes: each refused as another model's state, the current state untouched."""
+    from eva0_edge.runtime.state import StateError
+
+    model = shipped_models[0]
+    before = model.state_bytes()
+    with pytest.raises(StateError, match="^this state is for another model") as err:
+        model.load_state_bytes(_resigned(model, **change(model)))
+    assert words in str(err.value) and "not this one" in str(err.value)
+    assert model.state_bytes() == before
+
+
+def test_adapt_refuses_another_models_state_and_keeps_it(shipped_models, tmp_path, capsys):
+    from eva0_edge.cli import main
+    from tests.fixtures import SHIPPED_VIT
+
+    state = shipped_models[1].save_state(tmp_path / "resnet.npz")
+    data = state.read_bytes()
+    np.save(tmp_path / "x.npy", np.zeros((4, 32, 32, 3), np.uint8))
+    assert main(["adapt", "--model", str(SHIPPED_VIT), "--input", str(tmp_path / "x.npy"),
+                 "-o", str(tmp_path / "p.jsonl"), "--state", str(state), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert f"{state}: this state is for another model ({_in_words(shipped_models[1])}" in err
+    assert state.read_bytes() == data  # the other model's state is not overwritten
+
+
+def test_the_server_refuses_another_models_state_in_words(shipped_models):
+    from eva0_edge.runtime.server import ServeOptions, create_app
+    from tests.fixtures import InProcessServer, http_call
+
+    model = shipped_models[0]
+    server = InProcessServer(create_app(model, ServeOptions("vit")))
+    try:
+        path = "/v2/models/vit/adaptation/state"
+        before = http_call(server, "GET", path)
+        status, body = http_call(server, "PUT", path, shipped_models[1].state_bytes())
+        assert status == 400
+        assert "state refused: this state is for another model (" in body.decode()
+        assert http_call(server, "GET", path) == before
+    finally:
+        server.stop()
