@@ -26,7 +26,8 @@ class InputStream:
     ``batches(n)`` yields (names, pixel_values [B, C, H, W] float32, labels [B] or None).
     With ``skip_bad``, an image file that cannot be decoded is left out of its batch (a batch
     may then be smaller, and one with nothing left is not yielded) and its name and reason
-    are added to ``skipped``; without, it raises ValueError naming the file.
+    are added to ``skipped``; without, the images of its batch before it are yielded first
+    (a smaller batch, when there are any), then it raises ValueError naming the file.
     """
 
     names: list[str]
@@ -47,21 +48,26 @@ class InputStream:
         for start in range(0, len(self), batch_size):
             stop = min(start + batch_size, len(self))
             labels = self.labels[start:stop] if self.labels is not None else None
-            pixels, kept = self._load(start, stop, skip_bad)
-            if not kept:
-                continue
-            names = [self.names[start + i] for i in kept]
-            yield names, pixels, None if labels is None else labels[kept]
+            pixels, kept, bad = self._load(start, stop, skip_bad)
+            if kept:
+                names = [self.names[start + i] for i in kept]
+                yield names, pixels, None if labels is None else labels[kept]
+            if bad is not None:
+                raise bad
 
-    def _load(self, start: int, stop: int, skip_bad: bool) -> tuple[np.ndarray, list[int]]:
-        """The batch's pixels and the positions in [start, stop) they come from."""
+    def _load(
+        self, start: int, stop: int, skip_bad: bool
+    ) -> tuple[np.ndarray, list[int], ValueError | None]:
+        """The batch's pixels, the positions in [start, stop) they come from and, without
+        ``skip_bad``, the error of the first file that cannot be decoded (the batch then ends
+        before it), else None."""
         if self._array is not None:
             chunk = self._array[start:stop]
             kept = list(range(len(chunk)))
             if chunk.dtype == np.uint8:
-                return preprocess_uint8(chunk, self.pre), kept
-            return np.asarray(chunk, dtype=np.float32), kept
-        images, kept = [], []
+                return preprocess_uint8(chunk, self.pre), kept, None
+            return np.asarray(chunk, dtype=np.float32), kept, None
+        images, kept, bad = [], [], None
         for i, path in enumerate((self._files or [])[start:stop]):
             try:
                 with Image.open(path) as image:
@@ -70,9 +76,12 @@ class InputStream:
                     kept.append(i)
             except (UnidentifiedImageError, OSError) as err:
                 if not skip_bad:
-                    raise ValueError(f"cannot decode image {path}: {err}") from err
+                    bad = ValueError(f"cannot decode image {path}: {err}")
+                    bad.__cause__ = err
+                    break
                 self.skipped.append((self.names[start + i], str(err)))
-        return (preprocess_images(images, self.pre) if images else np.zeros((0,))), kept
+        pixels = preprocess_images(images, self.pre) if images else np.zeros((0,))
+        return pixels, kept, bad
 
 
 def _pick(npz: np.lib.npyio.NpzFile, keys: tuple[str, ...]) -> str | None:

@@ -135,3 +135,52 @@ def test_the_server_refuses_another_models_state_in_words(shipped_models):
         assert http_call(server, "GET", path) == before
     finally:
         server.stop()
+
+
+# --on-bad-input stop: the good images before the bad one, in its batch, are served first
+
+
+def _folder_with_a_bad_image(root, good_before: int, good_after: int):
+    """``root/img_00.png``... : ``good_before`` decodable images, one that is not
+    (``img_bad.png`` sorts after them), ``good_after`` more decodable ones (``z_...``)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    root.mkdir()
+    for name in [f"img_{i:02d}" for i in range(good_before)] + [
+            f"z_{i:02d}" for i in range(good_after)]:
+        Image.fromarray(rng.integers(0, 256, (28, 28), dtype=np.uint8)).save(root / f"{name}.png")
+    (root / "img_bad.png").write_bytes(b"not a png")
+    return root
+
+
+def test_a_stopping_stream_yields_the_good_images_of_its_batch_first(tmp_path):
+    from eva0_edge.runtime.data import open_input
+    from eva0_edge.runtime.modelfile import read_metadata
+
+    folder = _folder_with_a_bad_image(tmp_path / "in", good_before=5, good_after=2)
+    stream = open_input(folder, read_metadata(MODEL).preprocessing)
+    batches = stream.batches(4)
+    assert next(batches)[0] == [f"img_{i:02d}.png" for i in range(4)]
+    assert next(batches)[0] == ["img_04.png"]  # the bad image's batch, up to it
+    with pytest.raises(ValueError, match="cannot decode image .*img_bad.png"):
+        next(batches)
+    skipping = open_input(folder, read_metadata(MODEL).preprocessing)
+    names = [name for batch, _, _ in skipping.batches(4, skip_bad=True) for name in batch]
+    assert len(names) == 7 and [n for n, _ in skipping.skipped] == ["img_bad.png"]
+
+
+def test_adapt_on_bad_input_stop_writes_the_good_images_before_it(tmp_path, capsys):
+    import json
+
+    from eva0_edge.cli import main
+
+    folder = _folder_with_a_bad_image(tmp_path / "in", good_before=3, good_after=2)
+    out = tmp_path / "p.jsonl"
+    assert main(["adapt", "--model", str(MODEL), "--input", str(folder), "-o", str(out),
+                 "--batch-size", "8", "--on-bad-input", "stop", "-q"]) == 2
+    captured = capsys.readouterr()
+    assert "cannot decode image" in captured.err and "img_bad.png" in captured.err
+    assert "3 samples" in captured.out
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["input"] for row in rows] == ["img_00.png", "img_01.png", "img_02.png"]
