@@ -11,15 +11,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
+from tests.docblocks import fenced_blocks, stop, wait_ready
 from tests.fixtures import free_port
 
 pytestmark = pytest.mark.integration
@@ -35,7 +33,7 @@ def quick_start_blocks() -> list[tuple[str, str]]:
     readme = (ROOT / "README.md").read_text()
     match = re.search(r"\[start:quickstart\][^\n]*\n(.*?)\n[^\n]*\[end:quickstart\]", readme, re.S)
     assert match, "the README has no quick-start section"
-    return re.findall(r"^```(\w+)\n(.*?)^```$", match[1], flags=re.S | re.M)
+    return fenced_blocks(match[1])
 
 
 def test_the_quick_start_is_marked_and_uses_loopback():
@@ -48,30 +46,6 @@ def test_the_quick_start_is_marked_and_uses_loopback():
     for _, code in blocks[1:]:
         if "127.0.0.1" in code or "--port" in code:
             assert PORT in code
-
-
-def _wait_ready(port: int, server: subprocess.Popen, log: Path, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise AssertionError(f"the server exited: {log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise AssertionError(f"the server was not ready after {timeout} s: {log.read_text()[-3000:]}")
-
-
-def _stop(server: subprocess.Popen) -> None:
-    """SIGTERM to the shell and the server it started (their own process group)."""
-    if server.poll() is None:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(10)
 
 
 def test_the_quick_start_runs_as_pasted(tmp_path):
@@ -100,7 +74,7 @@ def test_the_quick_start_runs_as_pasted(tmp_path):
                 with open(log, "wb") as sink:
                     server = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=sink,
                                               stderr=subprocess.STDOUT, start_new_session=True)
-                _wait_ready(int(port), server, log)
+                wait_ready(int(port), server, log)
                 continue
             done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True,
                                   text=True, timeout=600)
@@ -108,7 +82,7 @@ def test_the_quick_start_runs_as_pasted(tmp_path):
             outputs.append((language, code, done.stdout))
     finally:
         if server is not None:
-            _stop(server)
+            stop(server)
     assert server is not None, "the quick start starts no server"
     assert (tmp_path / "my_model.onnx").exists() and (tmp_path / "item.png").exists()
     (python_out,) = [out for language, _, out in outputs if language == "python"]
