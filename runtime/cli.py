@@ -266,6 +266,16 @@ def progress_iter(items: Any, desc: str, quiet: bool) -> Any:
     return progress_bar(items, total=len(items), desc=desc, unit="step", quiet=quiet)
 
 
+def warn_unfitted(model: Policy, overrides: dict[str, Any]) -> None:
+    """One warning line when EVA-0 runs on a model whose guard or rates were never fitted
+    (:func:`.info.unfitted_warning`)."""
+    from .info import unfitted_warning
+
+    line = unfitted_warning(model.metadata, model.method, overrides)
+    if line:
+        log.warning("%s", line)
+
+
 def _cmd_adapt(args: argparse.Namespace) -> None:
     from pathlib import Path
 
@@ -276,6 +286,7 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
 
     model = load_method(args.model, args.method, method_overrides(args), args.seed,
                         session_settings(args))
+    warn_unfitted(model, method_overrides(args))
     if not model.spec.keeps_state:
         if args.state:
             raise ValueError(
@@ -340,6 +351,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
 
     model = load_method(args.model, args.method, method_overrides(args), args.seed,
                         session_settings(args))
+    warn_unfitted(model, method_overrides(args))
     options = ServeOptions(
         name=args.name or Path(args.model).stem,
         max_batch=args.max_batch,

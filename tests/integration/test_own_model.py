@@ -141,3 +141,21 @@ def test_tune_reads_a_labels_file_and_names_an_unknown_class(calibrated, validat
     assert (tmp_path / "x.tune-eva0.json").exists() is False  # the log sits beside the model
     (tmp_path / "labels.csv").write_text("0,jumper\n")
     assert main(args) == 2
+
+
+@pytest.mark.parametrize("which", ["users", "calibrated", "shipped"])
+def test_adapt_says_in_one_line_what_was_never_fitted(which, users_model, calibrated,
+                                                      validation_images, tmp_path, caplog):
+    path = {"users": users_model, "calibrated": calibrated[0],
+            "shipped": SHIPPED_RESNET_GN}[which]
+    np.savez(tmp_path / "stream.npz", x=validation_images[0][:8])
+    with caplog.at_level("WARNING", logger="eva0_edge"):
+        assert main(["adapt", "--model", str(path), "--input", str(tmp_path / "stream.npz"),
+                     "-o", str(tmp_path / "p.jsonl"), "-q"]) == 0
+    said = [r.getMessage() for r in caplog.records if "never fitted" in r.getMessage()]
+    expected = {"users": ["health guard", "rates"], "calibrated": ["rates"], "shipped": []}
+    assert len(said) == (1 if expected[which] else 0)
+    for part in expected[which]:
+        assert part in said[0]
+    if which == "calibrated":
+        assert "health guard" not in said[0]
