@@ -159,7 +159,7 @@ def _coerced(key: str, value: Any, hint: Any) -> Any:
         if bool in allowed and value in (0, 1):
             return bool(value)
         if int in allowed and float(value).is_integer():
-            return int(value)
+            return int(float(value))
     kinds = " or ".join(_KINDS[kind] for kind in (bool, int, float) if kind in allowed)
     if type(None) in allowed:
         kinds += " or none"

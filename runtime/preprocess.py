@@ -94,4 +94,5 @@ def pixels_uint8(pixel_values: np.ndarray, pre: Preprocessing) -> np.ndarray:
     mean = np.asarray(pre.mean, dtype=np.float64)[:, None, None]
     std = np.asarray(pre.std, dtype=np.float64)[:, None, None]
     pixels = (pixel_values.astype(np.float64) * std + mean) * 255.0
-    return np.ascontiguousarray(np.uint8(np.clip(np.rint(pixels), 0, 255)).transpose(0, 2, 3, 1))
+    images = np.clip(np.rint(pixels), 0, 255).astype(np.uint8)
+    return np.ascontiguousarray(images.transpose(0, 2, 3, 1))
