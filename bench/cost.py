@@ -1,17 +1,22 @@
 """``eva0-edge bench``: what one step costs, per sample, side by side in one process.
 
 Methods (all on the same batch of random normalised pixels):
-* ``noadapt``: one ORT forward per sample (the reference of every ratio);
+* ``noadapt``: one ORT forward per sample on the one-file session, plain inference (the
+  reference of every ratio);
 * ``eva0`` / ``zoa`` / ``spsa2-shared`` / ``eva0-dagger``: a full runtime step (perturbation
-  draw, one ORT call over 2B rows with the shared prefix, losses, update) on the one-file
-  session;
+  draw, ORT calls over 2B rows with the shared prefix, losses, update) on the session
+  ``adapt`` and ``serve`` run by default (:class:`SessionSettings`' defaults: split sessions,
+  the prefix once on B rows and the suffix in calls as large as the default 16 MiB budget
+  holds, unless the file cannot be split; IOBinding on CUDA only); every row records the
+  session it ran (``session``: split, io_binding, low_memory as resolved);
+* ``eva0-onecall`` (any runtime method + ``-onecall``): the step on the one-file session, one
+  ORT call over all rows;
 * ``eva0-lowmem`` (any runtime method + ``-lowmem``): the step with ``low_memory`` (the copies
   as separate ORT calls of B rows: EVA-0's +/- pair as two, FOA's 28 candidates as 28);
 * ``eva0-iob`` (any runtime method + ``-iob``, combinable with ``-lowmem``): the step through
   ORT's IOBinding with reused output buffers (``io_binding``);
-* ``eva0-split`` (any runtime method + ``-split``): split sessions (``split``, the default of
-  ``adapt`` / ``serve`` / ``eval`` on the CPU): the prefix once on B rows, the suffix in calls
-  as large as the default 16 MiB budget holds (B rows at least);
+* ``eva0-split`` (any runtime method + ``-split``): split sessions required (an error where the
+  file cannot be split);
 * ``foa`` / ``foa-dagger`` / ``eva0-clubs``: the prompt methods' full steps (FOA: CMA-ES ask,
   one ORT call over 28B rows, fitness, tell, activation shift) on the prompt variant of the same
   weights (``--arch`` exports it; ``name@FP`` sets #FP);
@@ -51,41 +56,69 @@ from eva0_edge.runtime.methods import RUNTIME_METHODS, base_name, is_prompt_meth
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.progress import progress_bar
 from eva0_edge.runtime.registry import parse_method, spec_of
-from eva0_edge.runtime.session import SessionSettings
+from eva0_edge.runtime.session import AdaptableSession, SessionSettings
 
 from .testbed.machine import environment, process_peak_rss_mb
 from .testbed.output import machine_line, pyplot, save_figure
 from .testbed.output import write_outputs as write_bench_outputs
 from .testbed.workload import export_random, random_batch
 
-SESSION_MODES = {"-lowmem": "low_memory", "-iob": "io_binding", "-split": "split"}
+# method suffix -> the session setting it fixes
+SESSION_MODES: dict[str, tuple[str, bool]] = {
+    "-lowmem": ("low_memory", True), "-iob": ("io_binding", True), "-split": ("split", True),
+    "-onecall": ("split", False),
+}
 COST_METHODS = (*RUNTIME_METHODS, *(f"eva0{suffix}" for suffix in SESSION_MODES), "tent")
 PROMPT_TOKENS = 3
 
 
 def session_mode(name: str) -> tuple[str, dict[str, bool | None]]:
-    """``name`` without its session-mode suffixes, and the session flags they set:
-    ``eva0-lowmem-iob`` -> (``eva0``, {low_memory: True, io_binding: True, split: False}).
-    Without ``-iob`` IOBinding is the session's default (on for CUDA, off for the CPU), so
-    ``eva0-split`` on CUDA is the product's default CUDA mode."""
-    flags: dict[str, bool | None] = dict.fromkeys(SESSION_MODES.values(), False)
-    flags["io_binding"] = None
+    """``name`` without its session-mode suffixes, and the session settings
+    (:class:`SessionSettings` fields) its step runs with: an adapting method without a suffix
+    takes ``adapt``'s and ``serve``'s defaults (split sessions unless the file cannot be split,
+    IOBinding on CUDA only: ``eva0`` -> {low_memory: False, io_binding: None, split: None}); a
+    method that does not adapt (``noadapt``, the reference of the ratios) the one-file session
+    of plain inference (split False); the suffixes fix one setting each:
+    ``eva0-lowmem-iob`` -> (``eva0``, {low_memory: True, io_binding: True, split: None}, one
+    file since low_memory), ``eva0-onecall`` -> split False. ValueError for an unknown
+    method."""
+    given: dict[str, bool] = {}
     stripped = True
     while stripped:
         stripped = False
-        for suffix, flag in SESSION_MODES.items():
+        for suffix, (setting, value) in SESSION_MODES.items():
             if name.endswith(suffix):
-                name, flags[flag], stripped = name.removesuffix(suffix), True, True
-    return name, flags
+                name, given[setting], stripped = name.removesuffix(suffix), value, True
+    plain = not spec_of(base_name(name)).adapts
+    flags: dict[str, bool | None] = {"low_memory": False, "io_binding": None,
+                                     "split": False if plain else None}
+    return name, {**flags, **given}
+
+
+def session_label(session: dict[str, bool] | None) -> str:
+    """A row's resolved session in words: ``split``, ``one call`` or ``low memory``, with
+    ``+ IOBinding`` when on; ``-`` for none (TENT runs in torch)."""
+    if session is None:
+        return "-"
+    kind = ("low memory" if session["low_memory"] else
+            "split" if session["split"] else "one call")
+    return kind + (" + IOBinding" if session["io_binding"] else "")
+
+
+def resolved_session(session: AdaptableSession) -> dict[str, bool]:
+    """What ``session`` runs, as resolved from its settings: split sessions or one file,
+    IOBinding, low memory."""
+    return {"split": session.parts is not None, "io_binding": bool(session.io_binding),
+            "low_memory": bool(session.low_memory)}
 
 
 def check_cost_method(name: str) -> None:
     """ValueError unless ``name`` is a cost method: a runtime method (``@FP`` allowed, and the
-    ``-lowmem`` / ``-iob`` session-mode suffixes) or ``tent``."""
+    ``-lowmem`` / ``-iob`` / ``-split`` / ``-onecall`` session-mode suffixes) or ``tent``."""
     if name == "tent":
         return
     try:
-        base_name(session_mode(name)[0])
+        session_mode(name)
     except ValueError:
         raise ValueError(f"unknown method {name!r}; known: {', '.join(COST_METHODS)}") from None
 
@@ -118,11 +151,13 @@ def cost_cases(
 @dataclass
 class Step:
     """One cost case ready to time: ``run`` does one step on the fixed batch; ``ort_seconds``
-    and ``forwards`` read the session's ORT clock and forward counter (None for TENT)."""
+    and ``forwards`` read the session's ORT clock and forward counter, ``session`` is what it
+    runs (:func:`resolved_session`; all None for TENT)."""
 
     run: Callable[[], None]
     ort_seconds: Callable[[], float] | None = None
     forwards: Callable[[], int] | None = None
+    session: dict[str, bool] | None = None
 
 
 def make_step(
@@ -151,7 +186,8 @@ def make_step(
         if budget is not None:
             model.budget.dense = False  # the steady state on a learnt stream (the bucket full)
         counter = model.session.counter
-        return Step(lambda: model.step(x), lambda: counter.ort_seconds, lambda: counter.forwards)
+        return Step(lambda: model.step(x), lambda: counter.ort_seconds, lambda: counter.forwards,
+                    resolved_session(model.session))
     import torch
 
     from .testbed.backprop import BackpropTTA
@@ -176,6 +212,7 @@ class CostRow:
     gpu_ratio_to_noadapt: float | None = None
     gpu_source: str | None = None
     outside_ort_share: float | None = None
+    session: dict[str, bool] | None = None
     samples: list[float] = field(default_factory=list)
 
 
@@ -220,7 +257,7 @@ def time_methods(
     for name, m, budget in cases:
         seconds, step = samples[name], steps[name]
         typical = float(np.mean(seconds) if budget is not None else np.median(seconds))
-        row = CostRow(name, batch, 1000.0 * typical / batch,
+        row = CostRow(name, batch, 1000.0 * typical / batch, session=step.session,
                       samples=[1000.0 * s / batch for s in seconds])
         if step.forwards:
             row.forwards_per_sample = (step.forwards() - forwards_before[name]) / (repeats * batch)
@@ -399,8 +436,8 @@ def markdown(report: dict[str, Any]) -> str:
         machine_line(report),
         "",
         "| method | batch | ms / sample | x NoAdapt | forwards / sample | peak RSS MB "
-        "| RSS x NoAdapt | outside ORT |" + gpu_head,
-        "|---|---|---|---|---|---|---|---|" + ("---|---|" if gpu else ""),
+        "| RSS x NoAdapt | outside ORT | session |" + gpu_head,
+        "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if gpu else ""),
     ]
 
     def fmt(v, spec):
@@ -417,8 +454,13 @@ def markdown(report: dict[str, Any]) -> str:
             f"{fmt(r['peak_rss_mb'], '.0f')} | "
             f"{fmt(r['rss_ratio_to_noadapt'], '.2f')} | "
             f"{fmt(r['outside_ort_share'] and 100 * r['outside_ort_share'], '.1f')}"
-            f"{'%' if r['outside_ort_share'] is not None else ''} |" + gpu_cells
+            f"{'%' if r['outside_ort_share'] is not None else ''} | "
+            f"{session_label(r.get('session'))} |" + gpu_cells
         )
+    lines += ["", "session: the ORT session each row ran, as resolved; an adapting method's "
+              "plain name runs what `adapt` and `serve` run by default (split sessions unless "
+              "the file cannot be split; IOBinding on CUDA), NoAdapt one call (plain "
+              "inference), `-onecall` / `-lowmem` / `-split` / `-iob` fix one setting."]
     if gpu:
         sources = sorted({r["gpu_source"] for r in report["rows"] if r.get("gpu_source")})
         lines += ["", f"GPU memory read by NVML ({', '.join(sources)}; see bench/gpumemory.py)."]

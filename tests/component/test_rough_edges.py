@@ -184,3 +184,32 @@ def test_adapt_on_bad_input_stop_writes_the_good_images_before_it(tmp_path, caps
     assert "3 samples" in captured.out
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [row["input"] for row in rows] == ["img_00.png", "img_01.png", "img_02.png"]
+
+
+# bench: an adapting method's row times the session adapt and serve run by default
+
+
+@pytest.mark.parametrize("command", ["adapt", "serve"])
+def test_the_bench_times_the_session_adapt_and_serve_run_by_default(command):
+    from eva0_edge.bench.cli import concrete_provider
+    from eva0_edge.bench.cost import markdown, resolved_session, run_bench
+    from eva0_edge.runtime.cli import method_overrides, session_settings
+    from eva0_edge.runtime.methods import load_method
+
+    argv = {"adapt": ["adapt", "--model", str(MODEL), "--input", "x.npy", "-o", "p.jsonl"],
+            "serve": ["serve", "--model", str(MODEL)]}[command]
+    args = build_parser().parse_args(argv)
+    model = load_method(args.model, args.method, method_overrides(args), args.seed,
+                        session_settings(args))  # as _cmd_adapt / _cmd_serve load it
+    defaults = resolved_session(model.session)
+    assert defaults["split"] and not defaults["low_memory"]
+    report = run_bench(str(MODEL), [2], ["eva0", "zoa", "eva0-onecall", "eva0-lowmem"],
+                       repeats=1, warmup=0, threads=1, memory=False, progress=False,
+                       provider=concrete_provider(args.provider))
+    sessions = {row["method"]: row["session"] for row in report["rows"]}
+    assert sessions["eva0"] == sessions["zoa"] == defaults
+    assert sessions["eva0-onecall"] == {**defaults, "split": False}
+    assert sessions["eva0-lowmem"]["low_memory"] and not sessions["eva0-lowmem"]["split"]
+    assert not sessions["noadapt"]["split"]  # the reference: plain inference, one call
+    table = markdown(report)
+    assert "| eva0 | 2 |" in table and "| split" in table and "| one call" in table

@@ -68,7 +68,7 @@ def test_bench_times_io_binding_modes(small_vit):
     from eva0_edge.bench import cost
 
     assert cost.session_mode("eva0-lowmem-iob") == (
-        "eva0", {"low_memory": True, "io_binding": True, "split": False}
+        "eva0", {"low_memory": True, "io_binding": True, "split": None}
     )
     report = cost.run_bench(str(small_vit.onnx_path), [2], ["eva0-iob", "noadapt-iob"],
                             repeats=1, warmup=1, threads=1, memory=False, progress=False)
