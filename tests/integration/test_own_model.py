@@ -159,3 +159,18 @@ def test_adapt_says_in_one_line_what_was_never_fitted(which, users_model, calibr
         assert part in said[0]
     if which == "calibrated":
         assert "health guard" not in said[0]
+
+
+def test_calibrate_skips_an_undecodable_image_and_names_it(users_model, validation_images,
+                                                           tmp_path, capsys):
+    folder = tmp_path / "clean"
+    folder.mkdir()
+    for i in range(70):
+        Image.fromarray(validation_images[0][i]).save(folder / f"{i:03d}.png")
+    (folder / "050.png").write_bytes(b"not a png")
+    out = tmp_path / "c.onnx"
+    assert main(["calibrate", "--model", str(users_model), "--data", str(folder), "-o",
+                 str(out), "-q", "--fit-clean", "64", "--fit-limit", "64"]) == 0
+    said = capsys.readouterr().out
+    assert "from 69 images, 1 undecodable input(s) skipped (050.png)" in said
+    assert read_metadata(out).fitted["guard"]["clean_images"] == 64
