@@ -214,7 +214,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> None:
     used = len(stream) - len(stream.skipped)
     print(f"wrote {args.output}: source statistics of {metadata.num_features} features "
           f"from {used} images" + _skipped(stream.skipped))
-    if args.fit:
+    if args.fit and metadata.is_prompt_model:
+        print("guard and shift not fitted: they watch EVA-0's norm affines, and this is a "
+              "black-box prompt model")
+    elif args.fit:
         _fit_safety(args, stream)
 
 
@@ -330,10 +333,7 @@ def _cmd_adapt(args: argparse.Namespace) -> None:
     )
     if seen:
         summary += f", accuracy {100.0 * correct / seen:.2f}%"
-    if stream.skipped:
-        names = ", ".join(name for name, _ in stream.skipped[:5])
-        more = f" and {len(stream.skipped) - 5} more" if len(stream.skipped) > 5 else ""
-        summary += f", {len(stream.skipped)} undecodable input(s) skipped ({names}{more})"
+    summary += stream.skipped_summary()
     stopped = f" (stopped by {stop.signal} after the batch in progress)" if stop.signal else ""
     print(summary + f" -> {args.output}" + (f", state {args.state}" if args.state else "")
           + stopped)

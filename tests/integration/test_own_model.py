@@ -174,3 +174,14 @@ def test_calibrate_skips_an_undecodable_image_and_names_it(users_model, validati
     said = capsys.readouterr().out
     assert "from 69 images, 1 undecodable input(s) skipped (050.png)" in said
     assert read_metadata(out).fitted["guard"]["clean_images"] == 64
+
+
+def test_calibrate_leaves_a_prompt_models_guard_alone_and_says_so(prompt_vit, tmp_path,
+                                                                  capsys):
+    images = np.random.default_rng(1).integers(0, 256, (70, 32, 32, 3), dtype=np.uint8)
+    np.savez(tmp_path / "clean.npz", x=images)
+    out = tmp_path / "p.onnx"
+    assert main(["calibrate", "--model", str(prompt_vit.onnx_path), "--data",
+                 str(tmp_path / "clean.npz"), "-o", str(out), "-q"]) == 0
+    assert "black-box prompt model" in capsys.readouterr().out
+    assert read_metadata(out).has_source_stats and not read_metadata(out).fitted
