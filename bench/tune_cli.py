@@ -71,14 +71,21 @@ def _cmd_tune(args: argparse.Namespace) -> None:
           f"{len(data.clean[0])} clean", flush=True)
     report = run_tuning(args.model, args.method, configs, data, settings,
                         progress=not args.quiet, echo=Echo(len(configs)))
-    best = report["best"]
-    gains = {k: v - report["noadapt"][k] for k, v in best["cells"].items()}
-    print(f"{args.method}: best {best['config']}: worst corrupted cell "
-          f"{best['worst_corrupted']:.2f}%, gain over NoAdapt {min(gains.values()):+.2f} (worst "
-          f"cell) .. {max(gains.values()):+.2f}, clean "
-          + ", ".join(f"{k.split()[1]} {v:+.2f}" for k, v in gains.items()
-                      if k.startswith("clean"))
-          + ("" if best["eligible"] else " (no configuration kept clean within the margin)"))
+    _say_best(args.method, report)
+    chosen = dict(report["best"]["config"])
+    shift_grid = [{"activation_shift": float(v)} for v in split_names(args.shift_grid)]
+    if (args.method == "eva0" and shift_grid and "activation_shift" not in chosen
+            and metadata.tuned.get("eva0", {}).get("activation_shift")):
+        print(f"tuning the activation shift's strength under {chosen}: "
+              f"{[c['activation_shift'] for c in shift_grid]}", flush=True)
+        shift_settings = TuneSettings(**{**settings.__dict__, "extend": 0,
+                                         "fixed": {**settings.fixed, **chosen}})
+        report["shift"] = run_tuning(args.model, args.method, shift_grid, data,
+                                     shift_settings, progress=not args.quiet,
+                                     echo=Echo(len(shift_grid)))
+        _say_best(args.method, report["shift"])
+        chosen.update(report["shift"]["best"]["config"])
+    best = report.get("shift", report)["best"]
     log = Path(args.log) if args.log else Path(args.output or args.model).with_name(
         f"{Path(args.output or args.model).stem}.tune-{args.method}.json")
     log.write_text(json.dumps({"model": Path(args.model).name, "data": str(args.data),
@@ -90,12 +97,25 @@ def _cmd_tune(args: argparse.Namespace) -> None:
         shutil.copyfile(args.model, args.output)
     record = {"by": "tune", "images": len(images), "clean_images": len(data.clean[0]),
               "corruptions": len(data.corrupted), "severity": args.severity,
-              "batch_sizes": settings.batch_sizes, "values": best["config"],
+              "batch_sizes": settings.batch_sizes, "values": chosen,
               "eligible": best["eligible"]}
-    write_choice(args.output, args.method, best["config"], record)
-    print(f"wrote {args.output}: {args.method} tuned to {best['config']}; log {log}")
+    write_choice(args.output, args.method, chosen, record)
+    print(f"wrote {args.output}: {args.method} tuned to {chosen}; log {log}")
     if args.method == "eva0" and metadata.has_source_stats and args.refit:
         _refit_guard(args.output, images, data, args.seed)
+
+
+def _say_best(method: str, report: dict[str, Any]) -> None:
+    """One line: the rule's choice, its worst cell and its gains over NoAdapt."""
+    best = report["best"]
+    gains = {k: v - report["noadapt"][k] for k, v in best["cells"].items()}
+    print(f"{method}: best {best['config']}: worst corrupted cell "
+          f"{best['worst_corrupted']:.2f}%, gain over NoAdapt {min(gains.values()):+.2f} (worst "
+          f"cell) .. {max(gains.values()):+.2f}, clean "
+          + ", ".join(f"{k.split()[1]} {v:+.2f}" for k, v in gains.items()
+                      if k.startswith("clean"))
+          + ("" if best["eligible"] else " (no configuration kept clean within the margin)"),
+          flush=True)
 
 
 def _refit_guard(output: str, images: Any, data: Any, seed: int) -> None:
@@ -144,6 +164,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--clean-margin", type=float, default=0.5,
                    help="points a configuration may lose to NoAdapt on clean images "
                    "(default %(default)g)")
+    p.add_argument("--shift-grid", default="0,1,1.5,2", metavar="S1,S2,...",
+                   help="eva0 on a calibrated file: then the activation shift's strength, under "
+                   "the chosen rates, by the same rule (default %(default)s; '' skips it)")
     p.add_argument("--extend", type=int_in(0), default=2, help="points scored past a grid "
                    "edge while the best sits on it (default %(default)s)")
     p.add_argument("--refit", action=argparse.BooleanOptionalAction, default=True,

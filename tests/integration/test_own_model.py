@@ -118,12 +118,17 @@ def test_tune_writes_the_rules_choice_from_class_folders(calibrated, validation_
     out = tmp_path / "tuned.onnx"
     assert main(["tune", "--model", str(calibrated[0]), "--data", str(tmp_path / "val"),
                  "-o", str(out), "--limit", "16", "--clean-limit", "32", "--batch-sizes",
-                 "16", "--grid", "eta=0.01,0.02", "--extend", "0", "-q"]) == 0
+                 "16", "--grid", "eta=0.01,0.02", "--extend", "0", "--shift-grid", "0.5,2",
+                 "-q"]) == 0
     log = json.loads(out.with_name("tuned.tune-eva0.json").read_text())
-    assert log["images"] == 120 and len(log["grid"]) == 2
+    assert log["images"] == 120 and len(log["grid"]) == 2 and len(log["shift"]["grid"]) == 2
+    assert log["shift"]["fixed"] == log["best"]["config"]  # the shift under the chosen eta
     metadata = read_metadata(out)
     assert metadata.tuned["eva0"]["eta"] == log["best"]["config"]["eta"]
-    assert metadata.fitted["rates"]["values"] == log["best"]["config"]
+    assert metadata.tuned["eva0"]["activation_shift"] == \
+        log["shift"]["best"]["config"]["activation_shift"] in (0.5, 2.0)
+    assert metadata.fitted["rates"]["values"] == {**log["best"]["config"],
+                                                  **log["shift"]["best"]["config"]}
     assert metadata.fitted["guard"]["by"] == "tune"
     assert metadata.tuned["eva0"]["guard"] is True
 
@@ -136,7 +141,8 @@ def test_tune_reads_a_labels_file_and_names_an_unknown_class(calibrated, validat
         "image,label\n" + "".join(f"{i},{labels[i]}\n" for i in range(64)))
     args = ["tune", "--model", str(calibrated[0]), "--data", str(tmp_path / "x.npy"),
             "--labels", str(tmp_path / "labels.csv"), "--limit", "16", "--clean-limit", "16",
-            "--batch-sizes", "16", "--grid", "eta=0.02", "--extend", "0", "-q"]
+            "--batch-sizes", "16", "--grid", "eta=0.02", "--extend", "0", "--shift-grid", "",
+            "-q"]
     assert main(args) == 0
     assert (tmp_path / "x.tune-eva0.json").exists() is False  # the log sits beside the model
     (tmp_path / "labels.csv").write_text("0,jumper\n")
