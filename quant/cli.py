@@ -4,8 +4,34 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import TYPE_CHECKING
 
 from eva0_edge.runtime.cli import int_in
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from eva0_edge.runtime.data import InputStream
+
+
+def calibration_images(stream: InputStream, count: int) -> np.ndarray:
+    """The first ``count`` decodable images of ``stream``, normalised float32 [n, C, H, W]
+    (fewer when the stream has no more); undecodable files are skipped and recorded in
+    ``stream.skipped`` (:meth:`~eva0_edge.runtime.data.InputStream.batches`, as ``adapt``
+    and ``calibrate`` do). ValueError when no image is left."""
+    import numpy as np
+
+    parts: list[np.ndarray] = []
+    have = 0
+    for _, x, _ in stream.batches(count, skip_bad=True):
+        parts.append(x[: count - have])
+        have += len(parts[-1])
+        if have >= count:
+            break
+    if not have:
+        raise ValueError(f"--calib: no decodable image among its {len(stream)} files"
+                         + stream.skipped_summary())
+    return np.concatenate(parts)
 
 
 def _cmd_quantize(args: argparse.Namespace) -> None:
@@ -20,7 +46,7 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
     if len(stream) < args.calib_images:
         raise ValueError(f"--calib has {len(stream)} images, --calib-images asks for "
                          f"{args.calib_images}")
-    _, calibration, _ = next(stream.batches(args.calib_images))
+    calibration = calibration_images(stream, args.calib_images)
     start = time.perf_counter()
     bar = progress_bar(desc="searching scales", unit="layer", quiet=args.quiet)
 
@@ -35,7 +61,8 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
     q = quantized.quantization
     kind = "fake quant" if args.fake_quant else "integer kernels"
     print(f"wrote {args.output}: {q['scheme']} W{q['bits']}A{q['bits']} ({kind}), calibrated on "
-          f"{len(calibration)} images in {time.perf_counter() - start:.0f} s")
+          f"{len(calibration)} images in {time.perf_counter() - start:.0f} s"
+          + stream.skipped_summary())
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:

@@ -26,8 +26,10 @@ class InputStream:
     ``batches(n)`` yields (names, pixel_values [B, C, H, W] float32, labels [B] or None).
     With ``skip_bad``, an image file that cannot be decoded is left out of its batch (a batch
     may then be smaller, and one with nothing left is not yielded) and its name and reason
-    are added to ``skipped``; without, the images of its batch before it are yielded first
-    (a smaller batch, when there are any), then it raises ValueError naming the file.
+    are added to ``skipped`` (once, however many passes over the stream meet it);
+    without, the images of its batch before it are yielded first (a smaller batch, when there
+    are any), then it raises ValueError naming the file. :meth:`skipped_summary` is how
+    ``adapt``, ``calibrate`` and ``quantize`` report the skipped files.
     """
 
     names: list[str]
@@ -36,9 +38,19 @@ class InputStream:
     _files: list[Path] | None
     pre: Preprocessing
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    _skipped_names: set[str] = field(default_factory=set, repr=False)
 
     def __len__(self) -> int:
         return len(self.names)
+
+    def skipped_summary(self) -> str:
+        """``", 2 undecodable input(s) skipped (a.png, b.png)"`` (the first five named, then
+        ``and N more``) to end a command's summary line; ``""`` when none was skipped."""
+        if not self.skipped:
+            return ""
+        names = ", ".join(name for name, _ in self.skipped[:5])
+        more = f" and {len(self.skipped) - 5} more" if len(self.skipped) > 5 else ""
+        return f", {len(self.skipped)} undecodable input(s) skipped ({names}{more})"
 
     def batches(
         self, batch_size: int, skip_bad: bool = False
@@ -79,7 +91,10 @@ class InputStream:
                     bad = ValueError(f"cannot decode image {path}: {err}")
                     bad.__cause__ = err
                     break
-                self.skipped.append((self.names[start + i], str(err)))
+                name = self.names[start + i]
+                if name not in self._skipped_names:
+                    self._skipped_names.add(name)
+                    self.skipped.append((name, str(err)))
         pixels = preprocess_images(images, self.pre) if images else np.zeros((0,))
         return pixels, kept, bad
 

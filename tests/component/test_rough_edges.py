@@ -213,3 +213,37 @@ def test_the_bench_times_the_session_adapt_and_serve_run_by_default(command):
     assert not sessions["noadapt"]["split"]  # the reference: plain inference, one call
     table = markdown(report)
     assert "| eva0 | 2 |" in table and "| split" in table and "| one call" in table
+
+
+# quantize skips an undecodable calibration image as adapt does; the loader's record of skipped
+# files is shared (calibrate reads it too)
+
+
+def test_calibration_images_skip_the_undecodable_and_fill_up_from_the_next(tmp_path):
+    from eva0_edge.quant.cli import calibration_images
+    from eva0_edge.runtime.data import open_input
+    from eva0_edge.runtime.modelfile import read_metadata
+
+    folder = _folder_with_a_bad_image(tmp_path / "in", good_before=2, good_after=3)
+    stream = open_input(folder, read_metadata(MODEL).preprocessing)
+    images = calibration_images(stream, 4)  # files: img_00, img_01, img_bad, z_00, ...
+    assert images.shape[0] == 4 and images.dtype == np.float32
+    assert stream.skipped_summary() == ", 1 undecodable input(s) skipped (img_bad.png)"
+    for _ in range(2):  # another pass over the stream names the file once
+        list(stream.batches(3, skip_bad=True))
+    assert [name for name, _ in stream.skipped] == ["img_bad.png"]
+
+
+def test_quantize_fails_clearly_only_when_no_calibration_image_decodes(tmp_path, capsys):
+    from eva0_edge.cli import main
+
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    for name in ("a.png", "b.jpg"):
+        (folder / name).write_bytes(b"not an image")
+    assert main(["quantize", "--model", str(MODEL), "--bits", "8", "--calib", str(folder),
+                 "--calib-images", "2", "-o", str(tmp_path / "q.onnx"), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert ("--calib: no decodable image among its 2 files, 2 undecodable input(s) skipped "
+            "(a.png, b.jpg)") in err
+    assert not (tmp_path / "q.onnx").exists()

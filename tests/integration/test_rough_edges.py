@@ -74,3 +74,25 @@ def test_serve_logs_the_url_it_listens_on_with_port_0(tmp_path):
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(60)
+
+
+def test_quantize_skips_an_undecodable_calibration_image_and_names_it(calibrated_vit, tmp_path,
+                                                                        capsys):
+    from PIL import Image
+
+    from eva0_edge.cli import main
+
+    folder = tmp_path / "calib"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(5):
+        Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(
+            folder / f"img_{i}.png")
+    (folder / "img_2.png").write_bytes(b"\x89PNG truncated")
+    out = tmp_path / "q.onnx"
+    assert main(["quantize", "--model", str(calibrated_vit), "--bits", "8", "--scheme", "int8",
+                 "--calib", str(folder), "--calib-images", "4", "-o", str(out), "-q"]) == 0
+    line = capsys.readouterr().out
+    assert "calibrated on 4 images" in line
+    assert line.rstrip().endswith(", 1 undecodable input(s) skipped (img_2.png)")
+    assert out.is_file()
