@@ -16,7 +16,7 @@
 #   eval     clean-stream accuracy of the shipped models on CUDA and on the CPU
 #   cpu      the same machine's CPU cost tables
 # GPU memory needs pynvml (nvidia-ml-py, in the [gpu] extra).
-# On CUDA, eva0 is one bound call over all rows and eva0-split the default CUDA mode (split
+# On CUDA, eva0-onecall is one bound call over all rows and eva0-split the default CUDA mode (split
 # sessions through IOBinding, rows per call from the memory budget); both draw the next step's
 # perturbations while ORT runs.
 #   bash bench/gpu_check.sh OUT_DIR [PART ...]
@@ -49,14 +49,14 @@ mkdir -p "${EVA0_CACHE:-/tmp}" && flock "${EVA0_CACHE:-/tmp}/export.lock" true
 if want costs; then
   for arch in "${archs[@]}"; do
     run 150 "${cli[@]}" bench --arch "$arch" --provider cuda --batch-sizes 1,8,32 \
-      --methods eva0,eva0-split,zoa,zoa-split --repeats 20 --warmup 3 --no-memory \
+      --methods eva0-onecall,eva0-split,zoa-onecall,zoa-split --repeats 20 --warmup 3 --no-memory \
       --out "$res/bench-$arch-cuda" -q
   done
 fi
 if want memory; then
   for arch in "${archs[@]}"; do
     run 150 "${cli[@]}" bench --arch "$arch" --provider cuda --batch-sizes 32 \
-      --methods eva0,eva0-split,eva0-lowmem,zoa-split --repeats 3 --warmup 1 \
+      --methods eva0-onecall,eva0-split,eva0-lowmem,zoa-split --repeats 3 --warmup 1 \
       --out "$res/memory-$arch-cuda" -q
   done
 fi
@@ -89,7 +89,7 @@ fi
 if want cpu; then
   for arch in "${archs[@]}"; do
     run 150 "${cli[@]}" bench --arch "$arch" --provider cpu --batch-sizes 1,8,32 \
-      --methods eva0,eva0-split,eva0-lowmem --repeats 5 --warmup 1 --no-memory \
+      --methods eva0-onecall,eva0-split,eva0-lowmem --repeats 5 --warmup 1 --no-memory \
       --out "$res/bench-$arch-cpu" -q
   done
 fi

@@ -20,9 +20,9 @@ from typing import Any
 
 from .testbed.output import write_outputs
 
-COST_COLUMNS = (("eva0-split", "EVA-0 default"), ("eva0", "EVA-0 one call"),
-                ("zoa-split", "ZOA default"), ("zoa", "ZOA one call"))
-MEMORY_COLUMNS = (("eva0-split", "EVA-0 default"), ("eva0", "EVA-0 one call"),
+COST_COLUMNS = (("eva0-split", "EVA-0 default"), ("eva0-onecall", "EVA-0 one call"),
+                ("zoa-split", "ZOA default"), ("zoa-onecall", "ZOA one call"))
+MEMORY_COLUMNS = (("eva0-split", "EVA-0 default"), ("eva0-onecall", "EVA-0 one call"),
                   ("eva0-lowmem", "EVA-0 low-memory"), ("zoa-split", "ZOA default"))
 
 

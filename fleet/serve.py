@@ -157,7 +157,8 @@ def start_fleet(
         log.info("fleet of %d replicas of %s on %s:%d", replicas, spec.options.name, host, port)
         handle = serve.run(application, name=APP_NAME, route_prefix="/")
         answering = wait_routable(host, port, spec.options.name, replicas)
-        log.info("%d of %d replicas answer through the ingress", answering, replicas)
+        log.info("listening on http://%s:%d/ (%d of %d replicas answer through the ingress)",
+                 _reachable(host), port, answering, replicas)
         if not blocking:
             return handle
         while True:

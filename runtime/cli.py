@@ -213,21 +213,12 @@ def _cmd_calibrate(args: argparse.Namespace) -> None:
                        stats.get("head_input_mean"))
     used = len(stream) - len(stream.skipped)
     print(f"wrote {args.output}: source statistics of {metadata.num_features} features "
-          f"from {used} images" + _skipped(stream.skipped))
+          f"from {used} images" + stream.skipped_summary())
     if args.fit and metadata.is_prompt_model:
         print("guard and shift not fitted: they watch EVA-0's norm affines, and this is a "
               "black-box prompt model")
     elif args.fit:
         _fit_safety(args, stream)
-
-
-def _skipped(skipped: list[tuple[str, str]]) -> str:
-    """``", 2 undecodable input(s) skipped (a.png, b.png)"``, or ``""``."""
-    names = list(dict.fromkeys(name for name, _ in skipped))
-    if not names:
-        return ""
-    more = f" and {len(names) - 5} more" if len(names) > 5 else ""
-    return f", {len(names)} undecodable input(s) skipped ({', '.join(names[:5])}{more})"
 
 
 def _fit_safety(args: argparse.Namespace, stream: Any) -> None:

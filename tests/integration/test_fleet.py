@@ -44,6 +44,7 @@ def fleet(tmp_path_factory):
     while "2 of 2 replicas answer" not in server.log() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert "2 of 2 replicas answer" in server.log(), server.log()[-3000:]
+    assert f"listening on http://127.0.0.1:{server.port}/" in server.log()
     server.listening_before = before
     yield server
     start = time.monotonic()

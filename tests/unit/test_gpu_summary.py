@@ -26,7 +26,7 @@ def _write(folder: Path, kind: str, arch: str, rows: list[dict]) -> None:
 
 def test_tables_take_each_method_at_its_batch(tmp_path, capsys):
     _write(tmp_path, "bench", "resnet50_gn", [
-        _row("noadapt", 8, 0.5, 1.0), _row("eva0", 8, 1.0, 2.0, outside=0.4),
+        _row("noadapt", 8, 0.5, 1.0), _row("eva0-onecall", 8, 1.0, 2.0, outside=0.4),
         _row("eva0-split", 8, 1.5, 3.0, outside=0.25), _row("noadapt", 32, 0.4, 1.0),
         _row("eva0-split", 32, 0.6, 1.5, outside=0.3)])
     _write(tmp_path, "memory", "resnet50_gn", [
