@@ -281,14 +281,16 @@ class Policy:
     def state_bytes(self) -> bytes:
         """The state as checksummed npz bytes (see :mod:`.state`)."""
         self._sync_state()
-        return encode_state(self.state, self.fingerprint, {"method": self.method})
+        return encode_state(self.state, self.fingerprint,
+                            {"method": self.method, "model": self.metadata.architecture})
 
     def parse_state_bytes(self, data: bytes) -> AdaptState:
         """Decode and validate state bytes for this model (sizes from the archive headers
         first, checksum, fingerprint, every value and shape) without touching the current
         state, so it may run on any thread; StateError names what is wrong."""
         m = self._engine()
-        state, _ = decode_state(data, m.fingerprint, self.state_sizes())
+        state, _ = decode_state(data, m.fingerprint, self.state_sizes(),
+                                self.metadata.architecture)
         m.limits.check(state)
         return state
 
@@ -306,7 +308,8 @@ class Policy:
     def load_state(self, path: str | os.PathLike) -> None:
         """Load a state file written by :meth:`save_state` for this model."""
         m = self._engine()
-        state, _ = read_state_file(path, m.fingerprint, self.state_sizes())
+        state, _ = read_state_file(path, m.fingerprint, self.state_sizes(),
+                                   self.metadata.architecture)
         m.limits.check(state)
         self._install(state)
 

@@ -301,9 +301,11 @@ def _npy_header(archive: zipfile.ZipFile, member: zipfile.ZipInfo) -> tuple[tupl
 _MODEL_SIZES = (("theta", "adapted parameters"), ("mean", "features"), ("center", "classes"))
 
 
-def _foreign(data: bytes, fingerprint: str | None, sizes: dict[str, int] | None) -> str | None:
+def _foreign(data: bytes, fingerprint: str | None, sizes: dict[str, int] | None,
+             name: str | None = None) -> str | None:
     """Why the state in ``data`` is for another model than the one of ``fingerprint`` and
-    ``sizes`` (elements per array), naming both models by their sizes and the state's method;
+    ``sizes`` (elements per array), named ``name``: both models by their architecture (the
+    state's as recorded at saving) and sizes, and the state's method;
     None when it is not, or cannot be told (an unreadable archive is refused by the checks
     that follow). Reads the zip directory, the ``.npy`` headers of theta, mean and center and
     ``__meta__`` (at most ``_META_BYTES``), nothing else."""
@@ -323,10 +325,14 @@ def _foreign(data: bytes, fingerprint: str | None, sizes: dict[str, int] | None)
         return None
     info = meta.get("info")
     method = info.get("method") if isinstance(info, dict) else None
+    model = info.get("model") if isinstance(info, dict) else None
     saved = f"; saved by {method}" if isinstance(method, str) and method else ""
-    this = f", not this one ({_sizes_in_words(ours)})" if ours else ""
+    theirs = f"{model}: " if isinstance(model, str) and model else ""
+    mine = f"{name}: " if name else ""
+    this = f", not this one ({mine}{_sizes_in_words(ours)})" if ours else ""
     same = "; the same sizes, another architecture or theta0" if ours and not differ else ""
-    return (f"this state is for another model ({_sizes_in_words(recorded)}{saved}){this}"
+    return (f"this state is for another model ({theirs}{_sizes_in_words(recorded)}{saved})"
+            f"{this}"
             f"{same}")
 
 
@@ -349,13 +355,15 @@ def _sizes_in_words(sizes: dict[str, int]) -> str:
 
 
 def decode_state(
-    data: bytes, fingerprint: str | None = None, sizes: dict[str, int] | None = None
+    data: bytes, fingerprint: str | None = None, sizes: dict[str, int] | None = None,
+    name: str | None = None,
 ) -> tuple[AdaptState, dict]:
     """Parse npz bytes; refuse a state of another model first (:func:`_foreign`: the
     fingerprint and the sizes in the archive's headers), then check member sizes (``sizes``:
     elements per array, see :func:`check_member_sizes`), the checksum, the model fingerprint
-    (if given) and every value (:meth:`AdaptState.from_dict`)."""
-    foreign = _foreign(data, fingerprint, sizes)
+    (if given) and every value (:meth:`AdaptState.from_dict`); ``name``: this model's
+    architecture, for the refusal's words."""
+    foreign = _foreign(data, fingerprint, sizes, name)
     if foreign is not None:
         raise StateError(foreign)
     if sizes is not None:
@@ -392,13 +400,15 @@ def write_state_file(path: str | os.PathLike, data: bytes) -> Path:
 
 
 def read_state_file(
-    path: str | os.PathLike, fingerprint: str | None = None, sizes: dict[str, int] | None = None
+    path: str | os.PathLike, fingerprint: str | None = None, sizes: dict[str, int] | None = None,
+    name: str | None = None,
 ):
-    """Read and verify a state file; returns (AdaptState, info)."""
+    """Read and verify a state file; returns (AdaptState, info) (``name``: as in
+    :func:`decode_state`)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"state file not found: {path}")
     try:
-        return decode_state(path.read_bytes(), fingerprint, sizes)
+        return decode_state(path.read_bytes(), fingerprint, sizes, name)
     except StateError as err:
         raise StateError(f"{path}: {err}") from err

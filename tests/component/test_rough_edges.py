@@ -50,8 +50,8 @@ def shipped_models():
 
 def _in_words(model) -> str:
     md = model.metadata
-    return (f"{md.num_params} adapted parameters, {md.num_features} features, "
-            f"{md.num_classes} classes")
+    return (f"{md.architecture}: {md.num_params} adapted parameters, {md.num_features} "
+            f"features, {md.num_classes} classes")
 
 
 def _resigned(model, fingerprint: str | None = None, **arrays) -> bytes:
