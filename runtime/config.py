@@ -77,6 +77,14 @@ class AdaptConfig:
     input (0 = off; FOA: 1), the test mean a window of the last ``shift_window`` samples (FOA's
     EMA: 1216); ``shift_max``: the window restarts, unshifted, when ||source mean - test mean||
     exceeds it (None = unbounded). Needs the file's source statistics.
+
+    Source-free activation shift (:class:`~.shift.SourceFreeShift`, for a file without source
+    statistics: EVA-0-dagger's): ``free_shift`` x the offset that makes the windowed mean logit
+    of the last ``shift_window`` samples equal across classes (0 = off), the head's weights and
+    the test stream its only inputs; unused while ``activation_shift`` is on.
+    ``free_shift_margin``: the root-mean-square class imbalance of that mean logit (nats) taken
+    for the model's own: the offset is shrunk by max(0, 1 - margin^2 / rms^2), so a stream with
+    about that much imbalance (clean images) is barely moved (0 = no shrinkage).
     """
 
     mu: float = 0.06
@@ -121,6 +129,8 @@ class AdaptConfig:
     activation_shift: float = 0.0
     shift_window: float = 1216.0
     shift_max: float | None = None
+    free_shift: float = 0.0
+    free_shift_margin: float = 0.0
     eps: float = 1e-8
     delta: float = 1e-8
 

@@ -121,8 +121,9 @@ class Engine:
             session, self.config, Objective(self.config, self.source_stats),
             prefetch=session.device == "cuda" if prefetch is None else prefetch,
         )
-        self.shift = configured_shift(session, self.config, self.method,
-                                      "activation_shift" in {**fp, **(config or {})})
+        asked = {**fp, **(config or {})}  # the shift the user asked for, which must load
+        self.shift = configured_shift(session, self.config, self.method, (
+            "activation_shift" if self.config.activation_shift > 0 else "free_shift") in asked)
         self.limits = state_limits(self.config, self.metadata, self.source_stats, self.shift)
         self.forward = ServedForward(session, self.shift)
         self.seed = int(seed)

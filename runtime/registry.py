@@ -22,6 +22,11 @@ RUNTIME_KINDS = ("engine", "foa")
 FOA_FORWARDS = 28  # FOA's CMA-ES population 27 + the previous best
 
 _PLAIN = {"shortcut_resistant": False, "center": False, "anchor_per_64": 0.0, "gamma": 0.0}
+# the source-free activation shift of eva0-dagger (runtime.shift.SourceFreeShift) by default:
+# the family-independent strength and window chosen on the validation split of the three
+# shipped models (studies/source-free/README.md); the paper's EVA-0-dagger is free_shift=0
+SOURCE_FREE_SHIFT: dict[str, Any] = {"free_shift": 1.5, "free_shift_margin": 0.15,
+                                     "shift_window": 256.0}
 
 
 @dataclass(frozen=True)
@@ -68,8 +73,9 @@ for _spec in (
                "the source model with FOA's activation shift (no update), one forward",
                adapts=False, overrides={"activation_shift": 1.0}),
     MethodSpec("eva0", "engine", 2, "EVA-0 (lambda > 0 when the model has source statistics)"),
-    MethodSpec("eva0-dagger", "engine", 2, "EVA-0, fully source-free",
-               overrides={"lambda_swa": 0.0}),
+    MethodSpec("eva0-dagger", "engine", 2,
+               "EVA-0, fully source-free: E_SR only and the source-free activation shift",
+               overrides={"lambda_swa": 0.0, **SOURCE_FREE_SHIFT}),
     MethodSpec("zoa", "engine", 2,
                "ZOA-style one-sided SPSA: clean forward predicts, one shared perturbed forward",
                overrides={**_PLAIN, "two_sided": False, "sample_wise": False}),
