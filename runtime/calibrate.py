@@ -14,6 +14,7 @@ from .modelfile import load_onnx, read_metadata, save_onnx, set_metadata
 from .preprocess import pixels_uint8
 from .progress import progress_bar
 from .session import AdaptableSession
+from .sourcefree import drop_source_free_eva0
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +78,10 @@ def write_source_stats(
     head_mean: np.ndarray | None = None,
 ) -> Path:
     """Copy ``model_path`` to ``output`` (may be the same file) with source_mean/std (and
-    head_input_mean, when given) set."""
+    head_input_mean, when given) set; eva0 leaves a source-free setup the file may have
+    (:func:`.sourcefree.drop_source_free_eva0`: it aligns and shifts to the source again)."""
     model = load_onnx(model_path)
-    metadata = read_metadata(model)
+    metadata = drop_source_free_eva0(read_metadata(model))
     metadata.arrays["source_mean"] = np.asarray(mean, dtype=np.float32)
     metadata.arrays["source_std"] = np.asarray(std, dtype=np.float32)
     if head_mean is not None:

@@ -203,7 +203,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> None:
     from .data import open_input
     from .modelfile import read_metadata
     from .session import AdaptableSession
+    from .sourcefree import setup_source_free
 
+    if args.data is None:  # no clean images: the source-free mode
+        print(setup_source_free(args.model, args.output))
+        return
     metadata = read_metadata(args.model)
     session = AdaptableSession(args.model, metadata, args.provider)
     stream = open_input(args.data, metadata.preprocessing)
@@ -430,7 +434,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="add source feature statistics from clean images and "
                        "fit the health guard and the activation shift to them")
     p.add_argument("--model", required=True, help="adaptable .onnx file")
-    p.add_argument("--data", required=True, help="clean images: folder, .npy or .npz")
+    p.add_argument("--data", help="clean images: folder, .npy or .npz (without: set the model "
+                   "up for the source-free mode, no clean images used)")
     p.add_argument("-o", "--output", required=True, help="output .onnx (may equal --model)")
     p.add_argument("--fit", action=argparse.BooleanOptionalAction, default=True,
                    help="fit the guard's and the shift's bounds on the images and the testbed's "

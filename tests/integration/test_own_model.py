@@ -191,3 +191,23 @@ def test_calibrate_leaves_a_prompt_models_guard_alone_and_says_so(prompt_vit, tm
                  str(tmp_path / "clean.npz"), "-o", str(out), "-q"]) == 0
     assert "black-box prompt model" in capsys.readouterr().out
     assert read_metadata(out).has_source_stats and not read_metadata(out).fitted
+
+
+def test_calibrate_without_data_sets_up_the_source_free_mode_and_says_so(
+        users_model, validation_images, tmp_path, capsys):
+    out = tmp_path / "free.onnx"
+    assert main(["calibrate", "--model", str(users_model), "-o", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "source-free mode set up" in said and "no clean images used" in said
+    metadata = read_metadata(out)
+    assert not metadata.has_source_stats
+    assert metadata.tuned["eva0"]["lambda_swa"] == 0.0 and metadata.tuned["eva0"]["free_shift"] > 0
+    model = load_method(out, "eva0")
+    assert model.stats()["activation_shift"] is not None  # the source-free shift runs
+    np.savez(tmp_path / "clean.npz", x=validation_images[0][:100])
+    again = tmp_path / "calibrated.onnx"
+    assert main(["calibrate", "--model", str(out), "--data", str(tmp_path / "clean.npz"),
+                 "-o", str(again), "--no-fit", "-q"]) == 0
+    eva0 = read_metadata(again).tuned["eva0"]
+    assert "lambda_swa" not in eva0 and "free_shift" not in eva0  # calibrated EVA-0 again
+    assert load_method(again, "eva0").config.lambda_swa > 0
