@@ -7,8 +7,10 @@ from typing import Any
 
 from .metadata import ModelMetadata, Segment
 
-# the eva0 values that say what the guard and the shift run with (the rest are rates)
-SAFETY_KEYS = {"guard", "activation_shift", "shift_window", "shift_max"}
+# the eva0 values that say what the guard, the shifts and the source-free mode run with (the
+# rest are rates)
+SAFETY_KEYS = {"guard", "activation_shift", "shift_window", "shift_max", "free_shift",
+               "free_shift_margin", "lambda_swa"}
 
 
 def _segments(segments: list[Segment], limit: int) -> list[str]:

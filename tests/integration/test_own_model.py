@@ -204,6 +204,9 @@ def test_calibrate_without_data_sets_up_the_source_free_mode_and_says_so(
     assert metadata.tuned["eva0"]["lambda_swa"] == 0.0 and metadata.tuned["eva0"]["free_shift"] > 0
     model = load_method(out, "eva0")
     assert model.stats()["activation_shift"] is not None  # the source-free shift runs
+    from eva0_edge.runtime.info import unfitted_warning
+
+    assert "rates" in unfitted_warning(metadata, "eva0", {})  # the mode is not a tuning
     np.savez(tmp_path / "clean.npz", x=validation_images[0][:100])
     again = tmp_path / "calibrated.onnx"
     assert main(["calibrate", "--model", str(out), "--data", str(tmp_path / "clean.npz"),
