@@ -4,6 +4,7 @@
 # a stage whose results exist is skipped). Models (in this order by default):
 #   resnet_gn-timm  mobilenet_bn-onnx  mobilenet_bn-timm  vit-timm     (the user's files)
 #   resnet_gn-shipped  mobilenet_bn-shipped  vit-shipped                 (models/*.onnx)
+# AFTER_TUNE=1 bash studies/own-model/run.sh MODEL...: the tuned user files on clean test images.
 # Big files go to $W (default /tmp/own-model), results (JSON/MD) to results/own-model/.
 set -euo pipefail
 W=${W:-/tmp/own-model}
@@ -84,6 +85,15 @@ run_shipped() {
   eval_b "$m" "$f" shipped
   log "$m: done"
 }
+
+after_tune() {  # the tuned file on clean images too (not a target of its own: tune's clean margin)
+  local m=$1 tuned="$W/$1.tuned.onnx" d="$R/$1-tune"
+  $PY studies/own-model/check_policy.py "$tuned" "$d/policy-stats.json" 2>/dev/null | tail -1
+  [ -f "$d/clean/results.json" ] || { log "$m tune: clean B 1,4,16,64 (limit ${AFTER_LIMIT:-2000})"
+    $E eval --model "$tuned" --split test --corruptions clean --limit "${AFTER_LIMIT:-2000}" \
+      --batch-sizes 1,4,16,64 --methods noadapt,eva0 --threads 1 -q --out "$d/clean" >/dev/null; }
+}
+if [ "${AFTER_TUNE:-0}" = 1 ]; then for m in ${*}; do after_tune "$m"; done; exit 0; fi
 
 MODELS=${*:-resnet_gn-timm resnet_gn-shipped mobilenet_bn-onnx mobilenet_bn-timm mobilenet_bn-shipped vit-timm vit-shipped}
 for m in $MODELS; do

@@ -89,11 +89,11 @@ for tag in tags:
 
 print("\n## (b) EVA-0 gains over NoAdapt on the corrupted test streams at every batch size\n")
 print("NoAdapt / EVA-0 (gain), average over the 15 corruptions at severity 5. user files: "
-      "after `tune`; shipped: as shipped.\n")
+      "after `tune` (tune1: the tune before 63920ff, step size only); shipped: as shipped.\n")
 print("| model | stage | protocol | B=1 | B=4 | B=16 | B=64 | target |")
 print("|---|---|---|---|---|---|---|---|")
 for tag in tags:
-    for stage in ("tune", "shipped", "calibrate"):
+    for stage in ("tune1", "tune", "shipped", "calibrate"):
         d = R / f"{tag}-{stage}"
         for protocol in ("continual", "single"):
             r = corr_row(d, protocol)
