@@ -106,12 +106,14 @@ def _cmd_tune(args: argparse.Namespace) -> None:
 
 
 def _say_best(method: str, report: dict[str, Any]) -> None:
-    """One line: the rule's choice, its worst cell and its gains over NoAdapt."""
+    """One line: the rule's choice, its gains over NoAdapt on the corrupted cells (worst and
+    best) and on the clean ones."""
     best = report["best"]
     gains = {k: v - report["noadapt"][k] for k, v in best["cells"].items()}
-    print(f"{method}: best {best['config']}: worst corrupted cell "
-          f"{best['worst_corrupted']:.2f}%, gain over NoAdapt {min(gains.values()):+.2f} (worst "
-          f"cell) .. {max(gains.values()):+.2f}, clean "
+    corrupted = [v for k, v in gains.items() if not k.startswith("clean")]
+    print(f"{method}: best {best['config']}: corrupted {min(corrupted):+.2f} (worst cell) .. "
+          f"{max(corrupted):+.2f} over NoAdapt, worst corrupted cell "
+          f"{best['worst_corrupted']:.2f}%; clean "
           + ", ".join(f"{k.split()[1]} {v:+.2f}" for k, v in gains.items()
                       if k.startswith("clean"))
           + ("" if best["eligible"] else " (no configuration kept clean within the margin)"),

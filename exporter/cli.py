@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from eva0_edge.runtime.cli import int_in, missing_extra
 from eva0_edge.runtime.config import parse_key_values
@@ -36,13 +37,35 @@ def _cmd_export_onnx(args: argparse.Namespace, labels: list[str] | None) -> None
         dims = onnx.load(args.onnx, load_external_data=False).graph.input[0].type.tensor_type
         size = tuple(int(d.dim_value) for d in dims.shape.dim[1:])
         preprocessing = Preprocessing(size, args.mean, args.std,  # type: ignore[arg-type]
-                                      args.interpolation, args.crop_pct)
+                                      args.interpolation or "bilinear", args.crop_pct or 1.0)
     with heartbeat(f"rewriting {args.onnx}", quiet=args.quiet):
         metadata = make_adaptable(args.onnx, args.output, adapt=args.adapt, labels=labels,
                                   preprocessing=preprocessing, logits=args.logits)
     print(f"wrote {args.output}: {metadata.architecture}, theta [R, {metadata.num_params}] "
           f"({len(metadata.theta_layout) // 2} affines, {metadata.adapt}), features "
           f"[R, {metadata.num_features}], {metadata.num_classes} classes")
+
+
+def _normalisation(args: argparse.Namespace, metadata: Any) -> Any:
+    """``export --arch`` with --mean / --std (and --interpolation / --crop-pct when given):
+    the written file's preprocessing, in place of timm's data config (a model of your own
+    trained with its own normalisation); returns the new metadata."""
+    from dataclasses import replace
+
+    from eva0_edge.runtime.modelfile import load_onnx, save_onnx, set_metadata
+
+    if not (args.mean and args.std):
+        raise ValueError("--mean and --std go together")
+    channels = metadata.preprocessing.input_size[0]
+    if len(args.mean) != channels or len(args.std) != channels:
+        raise ValueError(f"--mean and --std need {channels} values (one per channel)")
+    pre = metadata.preprocessing
+    metadata.preprocessing = replace(
+        pre, mean=args.mean, std=args.std, interpolation=args.interpolation or pre.interpolation,
+        crop_pct=pre.crop_pct if args.crop_pct is None else args.crop_pct)
+    model = load_onnx(args.output)
+    save_onnx(set_metadata(model, metadata), args.output)
+    return metadata
 
 
 def _cmd_export(args: argparse.Namespace) -> None:
@@ -75,6 +98,8 @@ def _cmd_export(args: argparse.Namespace) -> None:
             prompts=args.prompts,
             prompt_seed=args.prompt_seed,
         )
+    if args.mean or args.std:
+        metadata = _normalisation(args, metadata)
     adapted = (
         f"black-box prompt [R, {', '.join(map(str, metadata.theta_layout[0].shape))}]"
         if metadata.is_prompt_model else f"theta [R, {metadata.num_params}]"
@@ -115,11 +140,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-seed", type=int, default=0, help="initial prompt seed (default 0)")
     p.add_argument("--logits", metavar="NAME",
                    help="with --onnx: the logits output, when the graph has several")
-    p.add_argument("--mean", type=_floats, help="with --onnx: per-channel mean, e.g. "
-                   "0.485,0.456,0.406 (default: a sidecar JSON, else ImageNet's)")
-    p.add_argument("--std", type=_floats, help="with --onnx: per-channel std")
-    p.add_argument("--interpolation", default="bilinear", help="with --mean/--std")
-    p.add_argument("--crop-pct", type=float, default=1.0, help="with --mean/--std")
+    p.add_argument("--mean", type=_floats, help="per-channel mean the model was trained with, "
+                   "e.g. 0.485,0.456,0.406 (default: --arch timm's data config; --onnx a "
+                   "sidecar JSON, else ImageNet's)")
+    p.add_argument("--std", type=_floats, help="per-channel std, with --mean")
+    p.add_argument("--interpolation", help="with --mean/--std (default: --arch timm's, "
+                   "--onnx bilinear)")
+    p.add_argument("--crop-pct", type=float, help="with --mean/--std (default: --arch timm's, "
+                   "--onnx 1)")
     p.add_argument("--list", action="store_true",
                    help="with --onnx: print the adaptable affines and their indices, write nothing")
     p.add_argument("-o", "--output", help="output .onnx path")

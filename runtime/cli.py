@@ -209,7 +209,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> None:
         print(setup_source_free(args.model, args.output))
         return
     metadata = read_metadata(args.model)
-    session = AdaptableSession(args.model, metadata, args.provider)
+    session = AdaptableSession(args.model, metadata, args.provider, threads=args.threads)
     stream = open_input(args.data, metadata.preprocessing)
     stats = source_statistics(session, stream, args.batch_size, progress=not args.quiet,
                               skip_bad=True)
@@ -243,7 +243,8 @@ def _fit_safety(args: argparse.Namespace, stream: Any) -> None:
     corrupted = {}
     for name in progress_iter(CORRUPTIONS, "corrupt", args.quiet):
         corrupted[name] = corrupt_any(base, name, args.severity, args.seed)
-    fit = fit_safety(args.output, clean, corrupted, args.severity, progress=not args.quiet)
+    fit = fit_safety(args.output, clean, corrupted, args.severity, threads=args.threads,
+                     progress=not args.quiet)
     write_fit(args.output, args.output, fit, "calibrate")
     if args.fit_log:
         from .atomic import atomic_write_bytes
@@ -449,6 +450,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="corruption severity of the fit (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="image choice and corruption seed")
     p.add_argument("--fit-log", metavar="JSON", help="write every signal's range and bound here")
+    p.add_argument("--threads", type=int_in(1),
+                   help="ORT intra-op threads (default: ORT's, one per core)")
     add_runtime_options(p, method=False)
     p.set_defaults(func=_cmd_calibrate)
 

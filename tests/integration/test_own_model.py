@@ -176,7 +176,8 @@ def test_calibrate_skips_an_undecodable_image_and_names_it(users_model, validati
     (folder / "050.png").write_bytes(b"not a png")
     out = tmp_path / "c.onnx"
     assert main(["calibrate", "--model", str(users_model), "--data", str(folder), "-o",
-                 str(out), "-q", "--fit-clean", "64", "--fit-limit", "64"]) == 0
+                 str(out), "-q", "--fit-clean", "64", "--fit-limit", "64", "--threads",
+                 "1"]) == 0
     said = capsys.readouterr().out
     assert "from 69 images, 1 undecodable input(s) skipped (050.png)" in said
     assert read_metadata(out).fitted["guard"]["clean_images"] == 64
@@ -214,3 +215,14 @@ def test_calibrate_without_data_sets_up_the_source_free_mode_and_says_so(
     eva0 = read_metadata(again).tuned["eva0"]
     assert "lambda_swa" not in eva0 and "free_shift" not in eva0  # calibrated EVA-0 again
     assert load_method(again, "eva0").config.lambda_swa > 0
+
+
+def test_a_timm_export_takes_the_normalisation_the_user_trained_with(tmp_path):
+    out = tmp_path / "mine.onnx"
+    args = ["export", "--arch", "resnet18", "--set", "num_classes=10", "--input-size",
+            "3,32,32", "-q", "-o", str(out)]
+    assert main([*args, "--mean", "0.2191,0.2191,0.2191", "--std", "0.3319,0.3319,0.3319"]) == 0
+    pre = read_metadata(out).preprocessing
+    assert pre.mean == (0.2191,) * 3 and pre.std == (0.3319,) * 3
+    assert pre.interpolation == "bicubic"  # timm's own, not given
+    assert main([*args, "--mean", "0.5", "--std", "0.5"]) == 2  # one value for 3 channels
