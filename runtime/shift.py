@@ -252,15 +252,11 @@ def _variance(state: AdaptState) -> float:
     return state.shift_sq - float(state.shift_mean @ state.shift_mean)
 
 
-def load_shift(
-    session: AdaptableSession, strength: float, window: float, max_distance: float | None = None
-) -> ActivationShift:
-    """Read the head of ``session``'s file, check it against one forward of a fixed random
-    image at theta0 (not counted as a served forward), and build the shift; HeadError when the
-    file's head cannot be shifted."""
+def _check_head(session: AdaptableSession, head: LinearHead, what: str) -> None:
+    """Check the head read from ``session``'s file against one forward of a fixed random image
+    at theta0 (not counted as a served forward); HeadError naming ``what`` when the classifier
+    read from the graph does not reproduce its logits from its features."""
     metadata = session.metadata
-    head = cached_head(session.path, metadata)
-    source_mean = source_head_mean(metadata, head)
     c, h, w = metadata.preprocessing.input_size
     x = np.random.default_rng(0).standard_normal((2, c, h, w)).astype(np.float32)
     counter = session.counter
@@ -269,8 +265,18 @@ def load_shift(
     counter.forwards, counter.samples, counter.ort_seconds = saved
     if not head.matches(logits.astype(np.float64), features):
         raise HeadError(f"{session.path}: the classifier read from the graph does not "
-                        "reproduce its logits from its features; activation shifting is "
-                        "not available for this file")
+                        f"reproduce its logits from its features; {what} is not available "
+                        "for this file")
+
+
+def load_shift(
+    session: AdaptableSession, strength: float, window: float, max_distance: float | None = None
+) -> ActivationShift:
+    """Read the head of ``session``'s file, check it (:func:`_check_head`) and build the shift;
+    HeadError when the file's head cannot be shifted."""
+    head = cached_head(session.path, session.metadata)
+    source_mean = source_head_mean(session.metadata, head)
+    _check_head(session, head, "activation shifting")
     return ActivationShift(head, source_mean, strength, window, max_distance)
 
 
@@ -278,20 +284,10 @@ def load_free_shift(
     session: AdaptableSession, strength: float, window: float, margin: float = 0.0
 ) -> SourceFreeShift:
     """The source-free shift of ``session``'s file (:class:`SourceFreeShift`): its head read
-    and checked against one forward of a fixed random image at theta0, as :func:`load_shift`
-    does, but no source statistics needed; HeadError when the head cannot be shifted."""
-    metadata = session.metadata
-    head = cached_head(session.path, metadata)
-    c, h, w = metadata.preprocessing.input_size
-    x = np.random.default_rng(0).standard_normal((2, c, h, w)).astype(np.float32)
-    counter = session.counter
-    saved = (counter.forwards, counter.samples, counter.ort_seconds)
-    logits, features = session.run(x, np.broadcast_to(metadata.theta0, (2, metadata.num_params)))
-    counter.forwards, counter.samples, counter.ort_seconds = saved
-    if not head.matches(logits.astype(np.float64), features):
-        raise HeadError(f"{session.path}: the classifier read from the graph does not "
-                        "reproduce its logits from its features; the source-free shift is "
-                        "not available for this file")
+    and checked as :func:`load_shift` does, but no source statistics needed; HeadError when
+    the head cannot be shifted."""
+    head = cached_head(session.path, session.metadata)
+    _check_head(session, head, "the source-free shift")
     return SourceFreeShift(head, strength, window, margin)
 
 
