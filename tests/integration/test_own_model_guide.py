@@ -99,14 +99,18 @@ def test_the_own_model_guide_runs_as_written(tmp_path):
             stop(server)
     said = "\n".join(out for _, out in outputs)
     assert "fitted by calibrate on 1000 clean images and 15 corruptions" in said
-    assert read_metadata(tmp_path / "mine-timm.onnx").num_classes == 10
+    timm_file = read_metadata(tmp_path / "mine-timm.onnx")
+    assert timm_file.num_classes == 10 and timm_file.preprocessing.mean == (0.2191,) * 3
     quantized = read_metadata(tmp_path / "mine8bit.onnx")
     assert quantized.quantization and quantized.tuned["eva0"]["guard"] is True
     assert quantized.fitted["rates"]["by"] == "tune"
+    (asked,) = [out.strip() for code, out in outputs if "adaptation/statistics" in code]
     decoder = json.JSONDecoder()
-    answer, end = decoder.raw_decode(outputs[-1][1].strip())
-    statistics, _ = decoder.raw_decode(outputs[-1][1].strip()[end:].strip())
+    answer, end = decoder.raw_decode(asked)
+    statistics, _ = decoder.raw_decode(asked[end:].strip())
     assert answer["outputs"][0]["data"] == ["trouser"]
     assert statistics["guard"] is not None and statistics["activation_shift"] is not None
+    assert "source-free mode set up in mine-timm.onnx" in said
+    assert read_metadata(tmp_path / "mine-timm.onnx").tuned["eva0"]["lambda_swa"] == 0.0
     served = log.read_text()
     assert f"http://127.0.0.1:{port}/" in served and "never fitted" not in served
