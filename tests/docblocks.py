@@ -41,3 +41,22 @@ def stop(server: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait(10)
+
+
+def run_block(
+    command: list[str], code: str, cwd: Path, env: dict[str, str], port: int, log: Path,
+    timeout: float = 600,
+) -> subprocess.Popen | subprocess.CompletedProcess:
+    """Run one block's ``command``: a block that starts ``eva0-edge serve`` in the background
+    (its output to ``log``) until the server on ``port`` is ready, returning the process;
+    any other to its end, asserting it succeeded, returning what it printed."""
+    if "eva0-edge serve" in code:
+        with open(log, "wb") as sink:
+            server = subprocess.Popen(command, cwd=cwd, env=env, stdout=sink,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+        wait_ready(port, server, log)
+        return server
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, f"{code}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    return done

@@ -24,7 +24,7 @@ from PIL import Image
 
 from eva0_edge.bench.testbed.datasets import corrupted_fmnist
 from eva0_edge.runtime.modelfile import read_metadata
-from tests.docblocks import fenced_blocks, stop, wait_ready
+from tests.docblocks import fenced_blocks, run_block, stop
 from tests.fixtures import SHIPPED_BN, free_port
 
 pytestmark = pytest.mark.integration
@@ -83,16 +83,10 @@ def test_the_own_model_guide_runs_as_written(tmp_path):
     outputs = []
     try:
         for code in blocks:
-            command = ["bash", "-ec", code]
-            if "eva0-edge serve" in code:
-                with open(log, "wb") as sink:
-                    server = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=sink,
-                                              stderr=subprocess.STDOUT, start_new_session=True)
-                wait_ready(int(port), server, log)
+            done = run_block(["bash", "-ec", code], code, tmp_path, env, int(port), log, 900)
+            if isinstance(done, subprocess.Popen):
+                server = done
                 continue
-            done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True,
-                                  text=True, timeout=900)
-            assert done.returncode == 0, f"{code}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
             outputs.append((code, done.stdout + done.stderr))
     finally:
         if server is not None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.docblocks import fenced_blocks, stop, wait_ready
+from tests.docblocks import fenced_blocks, run_block, stop
 from tests.fixtures import free_port
 
 pytestmark = pytest.mark.integration
@@ -70,15 +70,10 @@ def test_the_quick_start_runs_as_pasted(tmp_path):
                 command = ["bash", "-c", f"{activate}python snippet.py"]
             else:
                 command = ["bash", "-ec", activate + code]
-            if "eva0-edge serve" in code:
-                with open(log, "wb") as sink:
-                    server = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=sink,
-                                              stderr=subprocess.STDOUT, start_new_session=True)
-                wait_ready(int(port), server, log)
+            done = run_block(command, code, tmp_path, env, int(port), log)
+            if isinstance(done, subprocess.Popen):
+                server = done
                 continue
-            done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True,
-                                  text=True, timeout=600)
-            assert done.returncode == 0, f"{code}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
             outputs.append((language, code, done.stdout))
     finally:
         if server is not None:
