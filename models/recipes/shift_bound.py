@@ -23,6 +23,7 @@ from eva0_edge.bench.testbed.corruptions import CORRUPTIONS
 from eva0_edge.bench.testbed.datasets import CLEAN, fmnist_c_domains
 from eva0_edge.bench.testbed.tuner import write_choice
 from eva0_edge.runtime.fitting import head_distances
+from eva0_edge.runtime.modelfile import load_onnx, read_metadata, save_onnx, set_metadata
 
 
 def main() -> None:
@@ -44,6 +45,13 @@ def main() -> None:
     out.write_text(json.dumps(log, indent=2) + "\n")
     if args.write:
         write_choice(args.model, "eva0", {"shift_max": bound})
+        model = load_onnx(args.model)
+        metadata = read_metadata(model)
+        metadata.fitted = {**metadata.fitted, "activation_shift": {
+            "by": "models/recipes/shift_bound.py", "clean_images": args.limit,
+            "corruptions": len(CORRUPTIONS), "images_per_corruption": args.limit,
+            "severity": args.severity, "margin": args.margin, "shift_max": bound}}
+        save_onnx(set_metadata(model, metadata), args.model)
     print(f"shift_max {bound} (largest validation distance {max(distances.values()):.3g} x "
           f"{args.margin}) -> log {out}")
 

@@ -53,6 +53,7 @@ import json
 from pathlib import Path
 
 from eva0_edge.bench.testbed.evaluate import EvalSpec, evaluate, load_domains
+from eva0_edge.bench.testbed.fashion_mnist import VAL_SIZE
 from eva0_edge.bench.testbed.prompt_variant import tune_log_path
 from eva0_edge.bench.testbed.tuner import (
     PROTOCOLS,
@@ -79,6 +80,15 @@ def validation_data(model: str, limit: int, clean_limit: int, severity: int) -> 
         load_domains(EvalSpec(limit=clean_limit, corruptions=["clean"], **common),
                      progress=False),
         "fmnist-c", severity)
+
+
+def rates_record(log: dict) -> dict:
+    """The model file's ``fitted`` record of a tuning log (what the rates were tuned on)."""
+    return {"by": "models/recipes/tune.py", "images": VAL_SIZE, "split": "val",
+            "clean_images": log.get("clean_limit"), "corruptions": 15,
+            "images_per_corruption": log.get("limit"), "severity": log.get("severity"),
+            "batch_sizes": log.get("batch_sizes"), "values": log["best"]["config"],
+            "eligible": log["best"]["eligible"]}
 
 
 def tune_prompt_method(args: argparse.Namespace) -> None:
@@ -138,7 +148,7 @@ def main() -> None:
         logged["best"] = best
         out.write_text(json.dumps(logged, indent=2) + "\n")
         if args.write:
-            write_choice(args.model, args.method, best["config"])
+            write_choice(args.model, args.method, best["config"], rates_record(logged))
         print(f"{args.method}: best {best['config']} (re-chosen from {out})")
         return
     settings = TuneSettings(
@@ -151,10 +161,10 @@ def main() -> None:
     report = run_tuning(args.model, args.method, configs, data, settings, progress=False,
                         echo=lambda row: print(json.dumps(row), flush=True))
     best = report["best"]
-    if args.write:
-        write_choice(args.model, args.method, best["config"])
     report = {"model": Path(args.model).name, **report, "limit": args.limit,
               "clean_limit": args.clean_limit}
+    if args.write:
+        write_choice(args.model, args.method, best["config"], rates_record(report))
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"{args.method}: best {best['config']} (mean {best['mean_corrupted']:.2f}, worst gain "
           f"{best['worst_gain']:+.2f}, eligible {best['eligible']}) -> log {out}")
