@@ -43,8 +43,8 @@ def hostile_row(d):
         bounds = np.split(np.arange(len(dom)), change)
         seg[m] = [100.0 * cor[s].sum() / len(s) for s in bounds if dom[s[0]] == "clean"]
     n, e = seg["noadapt"], seg["eva0"]
-    parts = [f"{a:.2f} / {b:.2f} ({b - a:+.2f})" for a, b in zip(n, e)]
-    return parts, all(b - a >= -1.0 for a, b in zip(n, e))
+    parts = [f"{a:.2f} / {b:.2f} ({b - a:+.2f})" for a, b in zip(n, e, strict=True)]
+    return parts, all(b - a >= -1.0 for a, b in zip(n, e, strict=True))
 
 
 def corr_row(d, protocol):
