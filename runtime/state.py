@@ -321,8 +321,10 @@ def _foreign(data: bytes, fingerprint: str | None, sizes: dict[str, int] | None,
     meta = _small_meta(archive, members.get("__meta__"))
     ours = dict(sizes or {})
     differ = any(name in ours and recorded[name] != ours[name] for name, _ in _MODEL_SIZES)
-    if not differ and (fingerprint is None or meta.get("fingerprint") == fingerprint):
-        return None
+    recorded_fingerprint = meta.get("fingerprint")
+    if not differ and (fingerprint is None or not isinstance(recorded_fingerprint, str)
+                       or recorded_fingerprint == fingerprint):
+        return None  # the same model, or metadata the checks that follow refuse by name
     info = meta.get("info")
     method = info.get("method") if isinstance(info, dict) else None
     model = info.get("model") if isinstance(info, dict) else None
