@@ -111,20 +111,25 @@ def calibrate_with_images(
 
 
 def sample_pixels(
-    stream: InputStream, count: int, seed: int = 0, batch_size: int = 64
-) -> np.ndarray:
-    """uint8 images [n, H, W, C] at the model's input size: ``count`` of the stream's
-    decodable images drawn without replacement with ``seed`` (all when it has no more), in
-    stream order; undecodable files are skipped (and named in ``stream.skipped``)."""
+    stream: InputStream, draws: list[tuple[int, int]], batch_size: int = 64
+) -> list[np.ndarray]:
+    """For each (count, seed) of ``draws``, uint8 images [n, H, W, C] at the model's input size:
+    ``count`` of the stream's decodable images drawn without replacement with ``seed`` (all
+    when it has no more), in stream order; one pass over the stream for all draws.
+    Undecodable files are skipped (and named in ``stream.skipped``)."""
     good = len(stream) - len(stream.skipped)
-    chosen = set(range(good)) if count >= good else set(
+    chosen = [set(range(good)) if count >= good else set(
         np.random.default_rng(seed).choice(good, count, replace=False).tolist())
-    kept, position = [], 0
+        for count, seed in draws]
+    kept: list[list[np.ndarray]] = [[] for _ in draws]
+    position = 0
     for _, x, _ in stream.batches(batch_size, skip_bad=True):
-        rows = [i for i in range(len(x)) if position + i in chosen]
-        if rows:
-            kept.append(pixels_uint8(x[rows], stream.pre))
+        pixels = pixels_uint8(x, stream.pre)
+        for rows_of, picked in zip(chosen, kept, strict=True):
+            rows = [i for i in range(len(x)) if position + i in rows_of]
+            if rows:
+                picked.append(pixels[rows])
         position += len(x)
-    if not kept:
+    if not any(kept):
         raise ValueError("no decodable image to fit on")
-    return np.concatenate(kept)
+    return [np.concatenate(picked) for picked in kept]

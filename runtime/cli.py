@@ -232,17 +232,18 @@ def _fit_safety(args: argparse.Namespace, stream: Any) -> None:
 
     from .calibrate import sample_pixels
     from .fitting import fit_log, fit_safety, write_fit
+    from .progress import progress_bar
 
     try:
         from eva0_edge.bench.testbed.corruptions import CORRUPTIONS, corrupt_any
     except ImportError as err:
         raise missing_extra("calibrate (fitting the guard and the shift; --no-fit skips it)",
                             "calibrate", err) from err
-    clean = sample_pixels(stream, args.fit_clean, args.seed)
-    base = sample_pixels(stream, args.fit_limit, args.seed + 1)
-    corrupted = {}
-    for name in progress_iter(CORRUPTIONS, "corrupt", args.quiet):
-        corrupted[name] = corrupt_any(base, name, args.severity, args.seed)
+    clean, base = sample_pixels(stream, [(args.fit_clean, args.seed),
+                                         (args.fit_limit, args.seed + 1)])
+    corrupted = {name: corrupt_any(base, name, args.severity, args.seed)
+                 for name in progress_bar(CORRUPTIONS, total=len(CORRUPTIONS), desc="corrupt",
+                                          unit="corruption", quiet=args.quiet)}
     fit = fit_safety(args.output, clean, corrupted, args.severity, threads=args.threads,
                      progress=not args.quiet)
     write_fit(args.output, args.output, fit, "calibrate")
@@ -256,13 +257,6 @@ def _fit_safety(args: argparse.Namespace, stream: Any) -> None:
              f"activation shift off ({fit.shift_off_reason})")
     print(f"fitted on {len(clean)} clean images and {len(corrupted)} corruptions of {len(base)} "
           f"(severity {args.severity}): health guard on ({len(fit.bounds)} bounds), {shift}")
-
-
-def progress_iter(items: Any, desc: str, quiet: bool) -> Any:
-    """``items`` under a progress bar (none with ``quiet``)."""
-    from .progress import progress_bar
-
-    return progress_bar(items, total=len(items), desc=desc, unit="step", quiet=quiet)
 
 
 def warn_unfitted(model: Policy, overrides: dict[str, Any]) -> None:
