@@ -75,15 +75,26 @@ class SafetyFit:
     def record(self, source: str) -> dict[str, Any]:
         """The file's ``fitted`` entries for the guard and the shift, ``source`` naming the
         command (``calibrate``, a recipe)."""
-        data = {"clean_images": self.clean_images, "corruptions": len(self.corruptions),
-                "images_per_corruption": self.images_per_corruption,
-                "severity": self.severity, "batch_sizes": sorted(
-                    {int(k.rsplit("=", 1)[1]) for k in self.extremes})}
-        entries = {"guard": {"by": source, **data, "margin": self.margin}}
+        images = (source, self.clean_images, len(self.corruptions), self.images_per_corruption,
+                  self.severity)
+        batch_sizes = sorted({int(k.rsplit("=", 1)[1]) for k in self.extremes})
+        entries = {"guard": fit_record(*images, self.margin, batch_sizes=batch_sizes)}
         if self.shift_max is not None:
-            entries["activation_shift"] = {"by": source, **data, "margin": self.shift_margin,
-                                           "shift_max": self.shift_max}
+            entries["activation_shift"] = fit_record(
+                *images, self.shift_margin, batch_sizes=batch_sizes, shift_max=self.shift_max)
         return entries
+
+
+def fit_record(
+    by: str, clean_images: int, corruptions: int, images_per_corruption: int,
+    severity: int | None, margin: float, **extra: Any,
+) -> dict[str, Any]:
+    """One entry of a model file's ``fitted`` record: the command that fitted a feature, the
+    images it saw (clean, corruptions x images each, at ``severity``), its margin, and
+    ``extra`` (the batch sizes, a bound); what ``info`` prints."""
+    return {"by": by, "clean_images": clean_images, "corruptions": corruptions,
+            "images_per_corruption": images_per_corruption, "severity": severity,
+            "margin": margin, **extra}
 
 
 def _rounded(value: float) -> float:
@@ -235,6 +246,6 @@ def write_fit(
     return save_onnx(set_metadata(model, metadata), output)
 
 
-def fit_log(fit: SafetyFit, model_path: str | os.PathLike, **extra: Any) -> dict[str, Any]:
-    """A JSON-ready record of ``fit`` (the recipes' and ``calibrate --fit-log``'s log)."""
-    return {"model": Path(model_path).name, **extra, **asdict(fit)}
+def fit_log(fit: SafetyFit, model_path: str | os.PathLike) -> dict[str, Any]:
+    """A JSON-ready record of ``fit`` (``calibrate --fit-log``)."""
+    return {"model": Path(model_path).name, **asdict(fit)}

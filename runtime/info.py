@@ -128,9 +128,9 @@ def unfitted_warning(
     """One line for ``adapt`` / ``serve`` when EVA-0 (or its source-free form) runs on a model
     whose guard or rates were never fitted; None otherwise, or when ``values`` (the user's
     overrides) set them."""
-    if method.split("@")[0] not in ("eva0", "eva0-dagger"):
-        return None
     base = method.split("@")[0]
+    if base not in ("eva0", "eva0-dagger"):
+        return None
     missing = []
     if not guard_fitted(metadata) and "guard" not in values:
         missing.append("the health guard (off: `eva0-edge calibrate --data clean/` fits it)")

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from eva0_edge.bench.testbed.evaluate import EvalSpec, load_domains
-from eva0_edge.runtime.fitting import learnt_bounds, record_signals
+from eva0_edge.runtime.fitting import fit_record, learnt_bounds, record_signals
 from eva0_edge.runtime.modelfile import load_onnx, read_metadata, save_onnx, set_metadata
 
 
@@ -61,11 +61,10 @@ def main() -> None:
         metadata.recommended = {**metadata.recommended, **bounds}
         metadata.tuned = {**metadata.tuned, "eva0": {**metadata.tuned.get("eva0", {}),
                                                      "guard": True}}
-        metadata.fitted = {**metadata.fitted, "guard": {
-            "by": "models/recipes/guard_bounds.py", "clean_images": args.clean_limit,
-            "corruptions": len(streams["continual"]), "images_per_corruption": args.limit,
-            "severity": 5, "batch_sizes": sorted({int(k.rsplit("=", 1)[1]) for k in extremes}),
-            "margin": args.margin}}
+        metadata.fitted = {**metadata.fitted, "guard": fit_record(
+            "models/recipes/guard_bounds.py", args.clean_limit, len(streams["continual"]),
+            args.limit, 5, args.margin,
+            batch_sizes=sorted({int(k.rsplit("=", 1)[1]) for k in extremes}))}
         save_onnx(set_metadata(model, metadata), args.model)
     log = Path(args.model).with_suffix(".guard.json")
     log.write_text(json.dumps({

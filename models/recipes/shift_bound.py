@@ -22,7 +22,7 @@ import numpy as np
 from eva0_edge.bench.testbed.corruptions import CORRUPTIONS
 from eva0_edge.bench.testbed.datasets import CLEAN, fmnist_c_domains
 from eva0_edge.bench.testbed.tuner import write_choice
-from eva0_edge.runtime.fitting import head_distances
+from eva0_edge.runtime.fitting import fit_record, head_distances
 from eva0_edge.runtime.modelfile import load_onnx, read_metadata, save_onnx, set_metadata
 
 
@@ -47,10 +47,9 @@ def main() -> None:
         write_choice(args.model, "eva0", {"shift_max": bound})
         model = load_onnx(args.model)
         metadata = read_metadata(model)
-        metadata.fitted = {**metadata.fitted, "activation_shift": {
-            "by": "models/recipes/shift_bound.py", "clean_images": args.limit,
-            "corruptions": len(CORRUPTIONS), "images_per_corruption": args.limit,
-            "severity": args.severity, "margin": args.margin, "shift_max": bound}}
+        metadata.fitted = {**metadata.fitted, "activation_shift": fit_record(
+            "models/recipes/shift_bound.py", args.limit, len(CORRUPTIONS), args.limit,
+            args.severity, args.margin, shift_max=bound)}
         save_onnx(set_metadata(model, metadata), args.model)
     print(f"shift_max {bound} (largest validation distance {max(distances.values()):.3g} x "
           f"{args.margin}) -> log {out}")
