@@ -23,14 +23,20 @@ QUIET_LOGGERS = ("eva0_edge.runtime.engine", "eva0_edge.runtime.policy",
                  "eva0_edge.runtime.config", "eva0_edge.runtime.shift")
 
 
+def quiet_routine_warnings(verbose: int) -> None:
+    """Trips and skips are routine on corrupted streams: a report (``eval``, ``tune``) says
+    what happened, so their warnings show only with ``-v``."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.NOTSET if verbose else logging.ERROR)
+
+
 def _cmd_eval(args: argparse.Namespace) -> None:
     try:
         from eva0_edge.bench.testbed.evaluate import EvalSpec, evaluate
         from eva0_edge.bench.testbed.report import markdown_table
     except ImportError as err:
         raise missing_extra("eval", "bench", err) from err
-    for name in QUIET_LOGGERS:  # trips and skips are routine on corrupted streams: the report
-        logging.getLogger(name).setLevel(logging.NOTSET if args.verbose else logging.ERROR)
+    quiet_routine_warnings(args.verbose)
     spec = EvalSpec(
         model=args.model,
         dataset=args.dataset,

@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+from eva0_edge.bench.cli import quiet_routine_warnings
 from eva0_edge.runtime.cli import int_in, int_list, missing_extra, split_names
 from eva0_edge.runtime.config import parse_key_values
 
 REFIT_CLEAN = 1000  # clean images of the guard's refit (calibrate's --fit-clean default)
-QUIET_LOGGERS = ("eva0_edge.runtime.engine", "eva0_edge.runtime.policy",
-                 "eva0_edge.runtime.config", "eva0_edge.runtime.shift")
 
 
 class Echo:
@@ -51,8 +49,7 @@ def _cmd_tune(args: argparse.Namespace) -> None:
         raise missing_extra("tune", "bench", err) from err
     from eva0_edge.runtime.modelfile import read_metadata
 
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.NOTSET if args.verbose else logging.ERROR)
+    quiet_routine_warnings(args.verbose)
     metadata = read_metadata(args.model)
     images, labels, skipped = labelled_images(args.data, metadata, args.labels,
                                               progress=not args.quiet)
@@ -82,7 +79,7 @@ def _cmd_tune(args: argparse.Namespace) -> None:
                                          "fixed": {**settings.fixed, **chosen}})
         report["shift"] = run_tuning(args.model, args.method, shift_grid, data,
                                      shift_settings, progress=not args.quiet,
-                                     echo=Echo(len(shift_grid)))
+                                     echo=Echo(len(shift_grid)), reference=report["noadapt"])
         _say_best(args.method, report["shift"])
         chosen.update(report["shift"]["best"]["config"])
     best = report.get("shift", report)["best"]

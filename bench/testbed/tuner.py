@@ -151,20 +151,24 @@ def noadapt_reference(
 def run_tuning(
     model: str, method: str, configs: list[dict[str, Any]], data: TuneData,
     settings: TuneSettings, progress: bool = True, echo: Any = None,
+    reference: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """Score NoAdapt and every configuration, extend past a grid edge, apply the rule; the
-    log (``best`` is the winner's row). ``echo`` receives every scored row (the recipe prints
-    them as JSON lines). Progress: one bar over every batch streamed, with its time left."""
+    """Score NoAdapt (unless its ``reference`` cells on the same data are given: a second
+    stage's) and every configuration, extend past a grid edge, apply the rule; the log
+    (``best`` is the winner's row). ``echo`` receives NoAdapt's cells, then every scored row
+    (the recipe prints them as JSON lines). Progress: one bar over every batch streamed, with
+    its time left."""
     unknown = {k for c in configs for k in c} - tunable_keys(method)
     if unknown:
         raise ValueError(f"grid keys {sorted(unknown)} do not apply to {method}")
     start = time.time()
     per_config = cell_batches(data, settings)
-    reference_batches = cell_batches(data, settings, [64])
+    reference_batches = 0 if reference is not None else cell_batches(data, settings, [64])
     bar = progress_bar(total=reference_batches + per_config * len(configs),
                        desc=f"tune {method}", unit="batch", quiet=not progress)
     with bar:
-        reference = noadapt_reference(model, data, settings, bar)
+        if reference is None:
+            reference = noadapt_reference(model, data, settings, bar)
         if echo:
             echo({"noadapt": reference})
 
