@@ -220,6 +220,8 @@ def engine_config(
         raise ValueError("need 0 <= alpha < 1 and 0 <= momentum < 1")
     if config.activation_shift < 0 or config.shift_window < 1:
         raise ValueError("need activation_shift >= 0 (0: off) and shift_window >= 1 sample")
+    if config.free_shift < 0:
+        raise ValueError("need free_shift >= 0 (0: off)")
     if config.activation_shift > 0 and not metadata.has_source_stats:
         raise ValueError("activation_shift needs the model's source statistics (run "
                          "`eva0-edge calibrate`)")

@@ -294,38 +294,22 @@ def load_free_shift(
 def configured_shift(
     session: AdaptableSession, config: AdaptConfig, method: str, asked: bool
 ) -> ActivationShift | None:
-    """The activation shift ``config`` sets (None when it is off); a file whose head cannot be
-    shifted refuses a shift the user ``asked`` for, and runs unshifted (with a warning) when
-    the shift came from the file's tuned values (a quantized copy of a tuned file)."""
-    if config.activation_shift <= 0:
-        return _configured_free_shift(session, config, method, asked)
+    """The activation shift ``config`` sets: the source shift (``activation_shift`` > 0), else
+    the source-free one (``free_shift`` > 0), else None (values checked by
+    :func:`.config.engine_config`). A file whose head cannot be shifted refuses a shift the
+    user ``asked`` for, and runs unshifted (with a warning) when the shift came from the
+    file's tuned values (a quantized copy of a tuned file, a user's file whose classifier is
+    not one affine layer)."""
     try:
-        return load_shift(session, config.activation_shift, config.shift_window,
-                          config.shift_max)
+        if config.activation_shift > 0:
+            return load_shift(session, config.activation_shift, config.shift_window,
+                              config.shift_max)
+        if config.free_shift > 0:
+            return load_free_shift(session, config.free_shift, config.shift_window,
+                                   config.free_shift_margin)
     except HeadError as err:
         if asked:
             raise
-        log.warning("%s: activation shift off: %s", method, err)
-        return None
-
-
-def _configured_free_shift(
-    session: AdaptableSession, config: AdaptConfig, method: str, asked: bool
-) -> SourceFreeShift | None:
-    """The source-free shift ``config`` sets (``free_shift`` > 0, the source shift off), or
-    None; a head that cannot be shifted refuses it when ``asked``, else warns and runs
-    unshifted (a user's file whose classifier is not one affine layer)."""
-    if config.free_shift < 0:
-        raise ValueError("need free_shift >= 0 (0: off)")
-    if config.free_shift <= 0:
-        return None
-    if config.shift_window < 1:
-        raise ValueError("need shift_window >= 1 sample")
-    try:
-        return load_free_shift(session, config.free_shift, config.shift_window,
-                               config.free_shift_margin)
-    except HeadError as err:
-        if asked:
-            raise
-        log.warning("%s: source-free shift off: %s", method, err)
-        return None
+        which = "activation" if config.activation_shift > 0 else "source-free"
+        log.warning("%s: %s shift off: %s", method, which, err)
+    return None
