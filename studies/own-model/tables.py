@@ -17,15 +17,21 @@ def cell(res, method, b):
     return res.get(f"{method} B={b}") or res.get(method)
 
 
-def clean_row(d):
-    res = load(d / "clean")
-    if res is None:
-        return None
+def by_batch(res):
+    """'NoAdapt / EVA-0 (difference)' per batch size, and the differences."""
     diffs, parts = [], []
     for b in BS:
         n, e = cell(res, "noadapt", b)["average"], cell(res, "eva0", b)["average"]
         diffs.append(e - n)
         parts.append(f"{n:.2f} / {e:.2f} ({e - n:+.2f})")
+    return parts, diffs
+
+
+def clean_row(d):
+    res = load(d / "clean")
+    if res is None:
+        return None
+    parts, diffs = by_batch(res)
     return parts, all(x >= -0.5 for x in diffs)
 
 
@@ -51,11 +57,7 @@ def corr_row(d, protocol):
     res = load(d / protocol)
     if res is None:
         return None
-    diffs, parts = [], []
-    for b in BS:
-        n, e = cell(res, "noadapt", b)["average"], cell(res, "eva0", b)["average"]
-        diffs.append(e - n)
-        parts.append(f"{n:.2f} / {e:.2f} ({e - n:+.2f})")
+    parts, diffs = by_batch(res)
     return parts, all(x > 0 for x in diffs)
 
 
