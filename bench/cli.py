@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from eva0_edge.bench.testbed.protocols import PROTOCOLS, SEVERITIES, SOAK_PASSES
 from eva0_edge.runtime.cli import (
     add_runtime_options,
     budget_list,
@@ -23,6 +24,26 @@ QUIET_LOGGERS = ("eva0_edge.runtime.engine", "eva0_edge.runtime.policy",
                  "eva0_edge.runtime.config", "eva0_edge.runtime.shift")
 
 
+def severity_list(text: str) -> int | list[int]:
+    """An argparse type: corruption severities, ``"5"`` -> 5 (one stays an int), ``"1-5"`` ->
+    [1, 2, 3, 4, 5], ``"1,3,5"`` -> [1, 3, 5]; each in 1..5, none twice."""
+    parts = split_names(text)
+    try:
+        if len(parts) == 1 and "-" in parts[0]:
+            low, _, high = parts[0].partition("-")
+            values = list(range(int(low), int(high) + 1))
+        else:
+            values = [int(part) for part in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a severity, range or list: {text!r} (e.g. 5, 1-5 or 1,3,5)") from None
+    bad = [v for v in values if v not in SEVERITIES]
+    if not values or bad or len(set(values)) < len(values):
+        raise argparse.ArgumentTypeError(
+            f"severities are distinct values in 1..5 (e.g. 5, 1-5 or 1,3,5), got {text!r}")
+    return values[0] if len(values) == 1 else values
+
+
 def quiet_routine_warnings(verbose: int) -> None:
     """Trips and skips are routine on corrupted streams: a report (``eval``, ``tune``) says
     what happened, so their warnings show only with ``-v``."""
@@ -37,6 +58,8 @@ def _cmd_eval(args: argparse.Namespace) -> None:
     except ImportError as err:
         raise missing_extra("eval", "bench", err) from err
     quiet_routine_warnings(args.verbose)
+    if args.ray is not None and not isinstance(args.severity, int):
+        raise ValueError("eval --ray runs one severity per call; give --severity one value")
     spec = EvalSpec(
         model=args.model,
         dataset=args.dataset,
@@ -53,6 +76,7 @@ def _cmd_eval(args: argparse.Namespace) -> None:
         torch_checkpoint=args.torch_checkpoint,
         session=session_settings(args),
         prompt_model=args.prompt_model,
+        soak_passes=args.soak_passes,
     )
     if args.ray is None:
         results = evaluate(spec, args.out, progress=not args.quiet)
@@ -135,11 +159,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="fmnist-c (generated into the cache) or an ImageNet-C-style folder "
         "corruption/severity/class/image",
     )
-    p.add_argument("--protocol", default="single",
-                   choices=["single", "continual", "imbalanced", "soak"],
-                   help="default single; soak: the continual stream 10 times in a row")
-    p.add_argument("--severity", type=int, default=5, choices=[1, 2, 3, 4, 5],
-                   help="corruption severity (default 5)")
+    p.add_argument("--protocol", default="single", choices=PROTOCOLS,
+                   help="default single; soak: the continual stream --soak-passes times in a "
+                   "row; gradual: each corruption's severity 1->5->1 in one stream (it takes "
+                   "no --severity); mixed: every corruption's images shuffled into one stream")
+    p.add_argument("--severity", type=severity_list, default=5, metavar="S",
+                   help="corruption severity 1-5, or several (1-5, 1,3,5): each its own run, "
+                   "a row per severity (default 5; gradual runs all five by itself)")
+    p.add_argument("--soak-passes", type=int_in(1), default=SOAK_PASSES, metavar="N",
+                   help="passes of the soak protocol (default %(default)s)")
     p.add_argument("--methods", default="noadapt,eva0", help="comma-separated (default "
                    "noadapt,eva0); runtime methods (name@FP sets #FP, e.g. eva0-clubs@8, "
                    "foa-dagger@14) plus the torch baselines tent, sar, deyo, bn-adapt, bn-ema")

@@ -63,6 +63,17 @@ class Domain:
             yield x, y
 
 
+def pooled(domains: Sequence[Domain], name: str) -> Domain:
+    """The domains' samples as one domain ``name`` (theirs one after another; ``severity``:
+    the first's), as arrays or as files; ValueError when some have arrays and some files."""
+    kinds = {d.images is None for d in domains}
+    if len(kinds) != 1:
+        raise ValueError("cannot pool domains of image arrays with domains of image files")
+    files = None if domains[0].images is not None else [f for d in domains for f in d.files]
+    images = None if files is not None else np.concatenate([d.images for d in domains])
+    labels = np.concatenate([d.labels for d in domains])
+    return Domain(name, domains[0].severity, labels, images, files)
+
 def corrupted_fmnist(
     split: str,
     corruption: str,

@@ -21,7 +21,14 @@ from eva0_edge.runtime.session import SessionSettings
 from .corruptions import CORRUPTIONS
 from .datasets import Domain, fmnist_c_domains, folder_domains
 from .fashion_mnist import VAL_SIZE, load_fashion_mnist
-from .protocols import StreamMethod, StreamResult, run_protocol
+from .protocols import (
+    GRADUAL_SEVERITIES,
+    SEVERITIES,
+    SOAK_PASSES,
+    StreamMethod,
+    StreamResult,
+    run_protocol,
+)
 from .report import write_report
 
 BACKPROP = method_names("torch")
@@ -32,12 +39,14 @@ BACKPROP_KEYS = ("lr", "bn_prior", "bn_momentum")
 
 @dataclass
 class EvalSpec:
-    """What one ``eval`` run measures."""
+    """What one ``eval`` run measures. ``severity``: one (1-5), or a list, each its own stream
+    set (``gradual`` runs 1-5 by itself and takes only the default, 5); ``soak_passes``: how
+    many times ``soak`` streams the domains."""
 
     model: str
     dataset: str
     protocol: str
-    severity: int
+    severity: int | list[int]
     batch_size: int
     methods: list[str]
     batch_sizes: list[int] | None = None
@@ -49,6 +58,7 @@ class EvalSpec:
     torch_checkpoint: str | None = None
     session: SessionSettings = field(default_factory=SessionSettings)
     prompt_model: str | None = None
+    soak_passes: int = SOAK_PASSES
 
 
 def known_methods() -> list[str]:
@@ -122,10 +132,33 @@ def model_for(spec: EvalSpec, name: str) -> str:
     return str(prompt_variant(spec.model, torch_checkpoint=spec.torch_checkpoint))
 
 
+def stream_sets(spec: EvalSpec) -> list[tuple[int, ...]]:
+    """The severities of each stream set ``spec`` runs: one set per listed severity, or
+    ``gradual``'s one set of all five; ValueError for a severity outside 1-5, one listed
+    twice, or ``gradual`` given a severity other than the default."""
+    listed = [spec.severity] if isinstance(spec.severity, int) else list(spec.severity)
+    if not listed or not set(listed) <= set(SEVERITIES) or len(set(listed)) < len(listed):
+        raise ValueError(f"severities are distinct values in 1..5, got {spec.severity}")
+    if spec.protocol == "gradual":
+        if listed != [5]:
+            raise ValueError("--protocol gradual streams severities 1->5->1 within each "
+                             f"corruption by itself; leave --severity out (got {spec.severity})")
+        return [tuple(sorted(set(GRADUAL_SEVERITIES)))]
+    return [(s,) for s in listed]
+
+
 def load_domains(spec: EvalSpec, progress: bool = True) -> list[Domain]:
-    """Fashion-MNIST-C (``fmnist-c``) or an ImageNet-C-style folder; a seeded subset of
-    ``limit`` images of each domain when a limit is set (the same images in every domain).
-    ``spec.corruptions`` picks domains (``clean``: the uncorrupted images); default: all 15."""
+    """Fashion-MNIST-C (``fmnist-c``) or an ImageNet-C-style folder at every severity the spec
+    streams (:func:`stream_sets`; the domains one severity after another); a seeded subset of
+    ``limit`` images of each domain when a limit is set (the same images in every domain and
+    severity). ``spec.corruptions`` picks domains (``clean``: the uncorrupted images);
+    default: all 15."""
+    return [d for levels in stream_sets(spec) for severity in levels
+            for d in _domains_at(replace(spec, severity=severity), progress)]
+
+
+def _domains_at(spec: EvalSpec, progress: bool) -> list[Domain]:
+    """:func:`load_domains` at the spec's one severity."""
     rng = np.random.default_rng(spec.seed)
     if spec.dataset == "fmnist-c":
         indices = None
@@ -149,25 +182,32 @@ def evaluate(
     spec: EvalSpec, out_dir: str | os.PathLike | None = None, progress: bool = True,
     domains: list[Domain] | None = None,
 ) -> dict[str, StreamResult]:
-    """Run every method of ``spec`` at every batch size, on ``domains`` when given (else the
-    spec's dataset); write the report to ``out_dir`` if given. Keys: the method name, with
-    `` B=<batch>`` appended when several batch sizes run."""
+    """Run every method of ``spec`` at every batch size and severity, on ``domains`` when
+    given (else the spec's dataset; with several severities, each stream set takes the given
+    domains of its severity); write the report to ``out_dir`` if given. Keys: the method
+    name, with `` B=<batch>`` appended when several batch sizes run and `` S=<severity>``
+    when several severities do."""
     for name in spec.methods:
         check_method(name)
     split_overrides(spec.overrides)
     sizes = batch_sizes(spec)
+    sets = stream_sets(spec)
     metadata = read_metadata(spec.model)
     if domains is None:
         domains = load_domains(spec, progress)
     results = {}
-    for batch in sizes:
-        batch_spec = replace(spec, batch_size=batch, batch_sizes=None)
-        for name in spec.methods:
-            key = name if len(sizes) == 1 else f"{name} B={batch}"
-            results[key] = run_protocol(
-                name, method_factory(batch_spec, name), domains, spec.protocol, batch,
-                metadata.preprocessing, spec.seed, progress,
-            )
+    for levels in sets:
+        streamed = domains if len(sets) == 1 else [d for d in domains if d.severity in levels]
+        for batch in sizes:
+            batch_spec = replace(spec, batch_size=batch, batch_sizes=None)
+            for name in spec.methods:
+                key = (name + ("" if len(sizes) == 1 else f" B={batch}")
+                       + ("" if len(sets) == 1 else f" S={levels[0]}"))
+                results[key] = run_protocol(
+                    name, method_factory(batch_spec, name), streamed, spec.protocol, batch,
+                    metadata.preprocessing, spec.seed, progress, spec.soak_passes,
+                )
+                results[key].severity = levels[0] if len(levels) == 1 else None
     if out_dir is not None:
         write_report(results, spec_dict(spec), Path(out_dir))
     return results
@@ -183,6 +223,10 @@ def batch_sizes(spec: EvalSpec) -> list[int]:
 
 
 def spec_dict(spec: EvalSpec) -> dict[str, Any]:
+    """The spec as the report's JSON has it: the model's file name, ``soak_passes`` only for
+    ``soak`` (the one protocol it changes)."""
     values = asdict(spec)
     values["model"] = str(Path(spec.model).name)
+    if spec.protocol != "soak":
+        del values["soak_passes"]
     return values

@@ -1,7 +1,8 @@
 """Evaluation reports: the paper's table as Markdown, JSON, a PNG of the stream (running
 accuracy of every method; drift ||theta - theta0|| and mean logit norm of the runtime methods) and
-a PNG of accuracy against the measured forwards per sample, with each batch size's Pareto front
-(the runs no cheaper run matches), which the Markdown names too; ``traces.npz`` keeps every
+a PNG of accuracy against the measured forwards per sample, with each batch size's (and, with
+several severities, each severity's) Pareto front (the runs no cheaper run matches), which the
+Markdown names too; ``traces.npz`` keeps every
 method's per-batch hits, so two methods' runs over the same stream compare image by image at
 batch 1 (:func:`read_traces`)."""
 
@@ -68,13 +69,36 @@ def plot_stream(results: dict, title: str, path: Path) -> None:
     save_figure(fig, path)
 
 
-def pareto_front(results: dict[str, StreamResult], batch: int) -> list[str]:
-    """The runs at batch size ``batch`` that no other run beats: by measured forwards per sample,
-    each more accurate (average %) than every run that costs no more. Runs without a measured
-    forward count (the torch baselines) are left out."""
+def method_of(key: str) -> str:
+    """The method of a results key (``eva0 B=16 S=3`` -> ``eva0``)."""
+    return key.split(" B=")[0].split(" S=")[0]
+
+
+def several_severities(results: dict[str, StreamResult]) -> bool:
+    """Whether the runs stream more than one severity (then each row and panel names its)."""
+    return len({r.severity for r in results.values()}) > 1
+
+
+def groups(results: dict[str, StreamResult]) -> list[tuple[int, int | None]]:
+    """The (batch size, severity) pairs of the runs, a Pareto front and panel each."""
+    return sorted({(r.batch, r.severity) for r in results.values()},
+                  key=lambda g: (g[0], -1 if g[1] is None else g[1]))
+
+
+def _group_name(batch: int, severity: int | None, several: bool) -> str:
+    return f"B = {batch}" + (f", S = {severity}" if several else "")
+
+
+def pareto_front(results: dict[str, StreamResult], batch: int,
+                 severity: int | None = None) -> list[str]:
+    """The runs at batch size ``batch`` (and, given, severity ``severity``) that no other run
+    beats: by measured forwards per sample, each more accurate (average %) than every run
+    that costs no more. Runs without a measured forward count (the torch baselines) are left
+    out."""
     runs = sorted(
         ((r.forwards_per_sample, -r.average, name) for name, r in results.items()
-         if r.batch == batch and r.forwards_per_sample is not None and np.isfinite(r.average)),
+         if r.batch == batch and (severity is None or r.severity == severity)
+         and r.forwards_per_sample is not None and np.isfinite(r.average)),
     )
     front: list[str] = []
     best = -np.inf
@@ -86,21 +110,21 @@ def pareto_front(results: dict[str, StreamResult], batch: int) -> list[str]:
 
 
 def plot_pareto(results: dict[str, StreamResult], title: str, path: Path) -> None:
-    """Average accuracy against measured forwards per sample, one panel per batch size, every
-    run a labelled point, the Pareto front a line."""
+    """Average accuracy against measured forwards per sample, one panel per batch size (and
+    severity, when several), every run a labelled point, the Pareto front a line."""
     plt = pyplot()
-    batches = sorted({r.batch for r in results.values()})
-    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 3.8), squeeze=False)
-    for ax, batch in zip(axes[0], batches, strict=True):
+    panels, several = groups(results), several_severities(results)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
+    for ax, (batch, severity) in zip(axes[0], panels, strict=True):
         for name, r in results.items():
-            if r.batch == batch and r.forwards_per_sample is not None:
+            if (r.batch, r.severity) == (batch, severity) and r.forwards_per_sample is not None:
                 ax.scatter(r.forwards_per_sample, r.average, s=20)
-                ax.annotate(name.split(" B=")[0], (r.forwards_per_sample, r.average),
+                ax.annotate(method_of(name), (r.forwards_per_sample, r.average),
                             fontsize=7, xytext=(3, 3), textcoords="offset points")
-        front = [results[name] for name in pareto_front(results, batch)]
+        front = [results[name] for name in pareto_front(results, batch, severity)]
         ax.plot([r.forwards_per_sample for r in front], [r.average for r in front],
                 color="black", lw=0.8, label="Pareto front")
-        ax.set_title(f"B = {batch}", fontsize=9)
+        ax.set_title(_group_name(batch, severity, several), fontsize=9)
         ax.set_xlabel("forwards per sample (measured)")
         ax.set_ylabel("average accuracy %")
         ax.grid(alpha=0.3)
@@ -110,14 +134,16 @@ def plot_pareto(results: dict[str, StreamResult], title: str, path: Path) -> Non
 
 
 def table_rows(results: dict[str, StreamResult]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the paper's table: method, batch size, each domain's accuracy,
-    average, the forwards per sample the run measured (every forward counts) and the final
-    drift ||theta - theta0|| of the runtime methods."""
+    """Header and rows of the paper's table: method, batch size, severity (when the runs
+    have several), each domain's accuracy, average, the forwards per sample the run measured
+    (every forward counts) and the final drift ||theta - theta0|| of the runtime methods."""
     domains = list(next(iter(results.values())).accuracy)
-    header = ["method", "B", *domains, "avg", "fwd/sample", "drift", "trips"]
+    level = ["S"] if several_severities(results) else []
+    header = ["method", "B", *level, *domains, "avg", "fwd/sample", "drift", "trips"]
     rows = [
         [
-            name.split(" B=")[0], str(r.batch), *(_percent(r.accuracy[d]) for d in domains),
+            method_of(name), str(r.batch), *([str(r.severity)] if level else []),
+            *(_percent(r.accuracy[d]) for d in domains),
             _percent(r.average), _forwards(r), _drift(r), _trips(r),
         ]
         for name, r in results.items()
@@ -145,16 +171,23 @@ def _trips(result: StreamResult) -> str:
 
 
 def results_json(results: dict[str, StreamResult], spec: dict[str, Any]) -> str:
+    """The report's JSON: the spec and per run its batch size, severity (when the runs have
+    several), accuracy per domain, average, forwards per sample, final statistics and
+    ``gradual``'s per-step accuracy (``steps``)."""
+    several = several_severities(results)
     payload = {
         "spec": spec,
         "results": {
             name: {
                 "batch_size": r.batch,
+                **({"severity": r.severity} if several else {}),
                 "accuracy": {d: _json_number(v) for d, v in r.accuracy.items()},
                 "average": _json_number(r.average),
                 "skipped_steps": r.skipped_steps,
                 "forwards_per_sample": r.forwards_per_sample,
                 "final_stats": r.final_stats,
+                **({"steps": [{**step, "accuracy": _json_number(step["accuracy"])}
+                              for step in r.steps]} if r.steps else {}),
             }
             for name, r in results.items()
         },
@@ -209,14 +242,29 @@ def markdown_table(results: dict[str, StreamResult]) -> str:
 
 
 def pareto_lines(results: dict[str, StreamResult]) -> str:
-    """One line per batch size naming its Pareto front, cheapest first."""
+    """One line per batch size (and severity, when several) naming its Pareto front, cheapest
+    first."""
     lines = []
-    for batch in sorted({r.batch for r in results.values()}):
-        front = [f"{name.split(' B=')[0]} ({results[name].forwards_per_sample:.2f} fwd, "
-                 f"{results[name].average:.1f}%)" for name in pareto_front(results, batch)]
+    several = several_severities(results)
+    for batch, severity in groups(results):
+        front = [f"{method_of(name)} ({results[name].forwards_per_sample:.2f} fwd, "
+                 f"{results[name].average:.1f}%)"
+                 for name in pareto_front(results, batch, severity)]
         if front:
-            lines.append(f"Pareto front, B = {batch}: {' -> '.join(front)}")
+            lines.append(f"Pareto front, {_group_name(batch, severity, several)}: "
+                         f"{' -> '.join(front)}")
     return "\n".join(lines)
+
+
+def severity_words(spec: dict[str, Any]) -> str:
+    """The severities of a spec in words: ``severity 5``, ``severities 1,3,5``, or
+    ``gradual``'s ``severity 1->5->1``."""
+    if spec["protocol"] == "gradual":
+        return "severity 1->5->1"
+    severity = spec["severity"]
+    if isinstance(severity, int):
+        return f"severity {severity}"
+    return f"severities {','.join(map(str, severity))}"
 
 
 def write_report(results: dict, spec: dict[str, Any], out_dir: Path) -> dict[str, Path]:
@@ -226,7 +274,7 @@ def write_report(results: dict, spec: dict[str, Any], out_dir: Path) -> dict[str
     sizes = spec.get("batch_sizes") or [spec["batch_size"]]
     split = spec.get("split") or "test"
     data = (f"clean {split} images" if spec.get("corruptions") == ["clean"]
-            else f"{spec['dataset']} severity {spec['severity']}"
+            else f"{spec['dataset']} {severity_words(spec)}"
             + ("" if split == "test" else f", {split} split"))
     title = f"{spec['model']} - {data}, {spec['protocol']}, batch {','.join(map(str, sizes))}"
     front = pareto_lines(results)
