@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eva0_edge.bench.cli import quiet_routine_warnings
+from eva0_edge.bench.cli import quiet_routine_warnings, severity_list
+from eva0_edge.bench.testbed.protocols import PROTOCOLS, SEVERITIES
 from eva0_edge.runtime.cli import int_in, int_list, missing_extra, split_names
 from eva0_edge.runtime.config import parse_key_values
 
@@ -44,7 +45,7 @@ def _cmd_tune(args: argparse.Namespace) -> None:
             write_choice,
         )
         from eva0_edge.bench.testbed.tuning import parse_grid
-        from eva0_edge.bench.testbed.userdata import labelled_images, user_tune_data
+        from eva0_edge.bench.testbed.userdata import labelled_images
     except ImportError as err:
         raise missing_extra("tune", "bench", err) from err
     from eva0_edge.runtime.modelfile import read_metadata
@@ -53,18 +54,22 @@ def _cmd_tune(args: argparse.Namespace) -> None:
     metadata = read_metadata(args.model)
     images, labels, skipped = labelled_images(args.data, metadata, args.labels,
                                               progress=not args.quiet)
-    data = user_tune_data(images, labels, args.limit, args.clean_limit, args.severity,
-                          args.seed, progress=not args.quiet)
+    protocols = split_names(args.protocols)
+    unknown = sorted(set(protocols) - set(PROTOCOLS))
+    if unknown:
+        raise ValueError(f"unknown protocol(s) {unknown} in --protocols; use {PROTOCOLS}")
+    data = tune_data(images, labels, args, "gradual" in protocols)
     configs = parse_grid(args.grid) if args.grid else default_grid(args.model, args.method)
     settings = TuneSettings(
-        batch_sizes=args.batch_sizes, protocols=split_names(args.protocols),
+        batch_sizes=args.batch_sizes, protocols=protocols,
         clean_margin=args.clean_margin, fixed=parse_key_values(args.set or []),
         extend=args.extend, threads=args.threads)
     print(f"tuning {args.method} on {len(images)} labelled images"
           + (f" ({len(skipped)} undecodable skipped)" if skipped else "")
           + f": {len(configs)} configurations x {len(settings.protocols)} protocols x "
-          f"batch sizes {settings.batch_sizes}, {len(data.corrupted)} corruptions of "
-          f"{len(data.corrupted[0])} images at severity {args.severity}, "
+          f"batch sizes {settings.batch_sizes}, {len(fit_domains(data))} corruptions of "
+          f"{len(data.corrupted[0])} images at severity {args.severity}"
+          + (" (gradual: 1-5)" if "gradual" in protocols else "") + ", "
           f"{len(data.clean[0])} clean", flush=True)
     report = run_tuning(args.model, args.method, configs, data, settings,
                         progress=not args.quiet, echo=Echo(len(configs)))
@@ -93,13 +98,36 @@ def _cmd_tune(args: argparse.Namespace) -> None:
     if Path(args.output).resolve() != Path(args.model).resolve():
         shutil.copyfile(args.model, args.output)
     record = {"by": "tune", "images": len(images), "clean_images": len(data.clean[0]),
-              "corruptions": len(data.corrupted), "severity": args.severity,
+              "corruptions": len(fit_domains(data)), "severity": args.severity,
               "batch_sizes": settings.batch_sizes, "values": chosen,
               "eligible": best["eligible"]}
     write_choice(args.output, args.method, chosen, record)
     print(f"wrote {args.output}: {args.method} tuned to {chosen}; log {log}")
     if args.method == "eva0" and metadata.has_source_stats and args.refit:
         _refit_guard(args.output, images, data, args.seed)
+
+
+def tune_data(images: Any, labels: Any, args: argparse.Namespace, gradual: bool) -> Any:
+    """The tuning images (uint8 [N, H, W, 3], labels [N]) as :class:`.tuner.TuneData`: the
+    clean ones and the corruptions at each of ``--severity``'s severities, and at every
+    severity 1-5 when the protocols include ``gradual`` (the same images at each)."""
+    from eva0_edge.bench.testbed.userdata import user_tune_data
+
+    listed = [args.severity] if isinstance(args.severity, int) else list(args.severity)
+    needed = sorted(set(listed) | (set(SEVERITIES) if gradual else set()))
+    parts = [user_tune_data(images, labels, args.limit, args.clean_limit, severity, args.seed,
+                  progress=not args.quiet) for severity in needed]
+    data = parts[0]
+    data.corrupted = [d for part in parts for d in part.corrupted]
+    data.severity = args.severity
+    return data
+
+
+def fit_domains(data: Any) -> list[Any]:
+    """The corrupted domains at the highest of the tuning's severities (one per corruption):
+    what the guard's refit and the log's count read."""
+    listed = [data.severity] if isinstance(data.severity, int) else list(data.severity)
+    return [d for d in data.corrupted if d.severity == max(listed)]
 
 
 def _say_best(method: str, report: dict[str, Any]) -> None:
@@ -127,7 +155,8 @@ def _refit_guard(output: str, images: Any, data: Any, seed: int) -> None:
     if len(images) > REFIT_CLEAN:
         chosen = np.random.default_rng(seed).choice(len(images), REFIT_CLEAN, replace=False)
         images = images[np.sort(chosen)]
-    fit = fit_safety(output, images, {d.name: d.images for d in data.corrupted}, data.severity)
+    domains = fit_domains(data)
+    fit = fit_safety(output, images, {d.name: d.images for d in domains}, domains[0].severity)
     write_fit(output, output, fit, "tune")
     print(f"refitted the health guard under the tuned rates ({len(fit.bounds)} bounds, drift "
           f"at most {fit.bounds['guard_drift_max']:g})")
@@ -157,9 +186,11 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-sizes", type=int_list, default=[1, 4, 16, 64],
                    help="default 1,4,16,64")
     p.add_argument("--protocols", default="single,continual",
-                   help="corrupted protocols scored (default %(default)s)")
-    p.add_argument("--severity", type=int_in(1, 5), default=5,
-                   help="corruption severity (default %(default)s)")
+                   help=f"corrupted protocols scored, of {', '.join(PROTOCOLS)} (default "
+                   "%(default)s; gradual streams severities 1->5->1 by itself)")
+    p.add_argument("--severity", type=severity_list, default=5, metavar="S",
+                   help="corruption severity 1-5, or several (1-5, 1,3,5): a cell per "
+                   "protocol, severity and batch size (default %(default)s)")
     p.add_argument("--clean-margin", type=float, default=0.5,
                    help="points a configuration may lose to NoAdapt on clean images "
                    "(default %(default)g)")

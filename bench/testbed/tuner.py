@@ -1,6 +1,7 @@
 """The tuning run of ``eva0-edge tune`` and ``models/recipes/tune.py``: every configuration of a
 grid scored on the same validation images, at several batch sizes, in the single and the
-continual protocol and on clean images, and the rule of :func:`.tuning.choose` applied.
+continual protocol (or any of :data:`.protocols.PROTOCOLS`, at one severity or several) and on
+clean images, and the rule of :func:`.tuning.choose` applied.
 
 The images are the caller's (:class:`TuneData`): the shipped models' recipe passes
 Fashion-MNIST-C's validation split, ``eva0-edge tune`` the user's labelled images and the
@@ -30,9 +31,10 @@ from .bnstats import BN_METHODS
 from .bnstats import DEFAULTS as BN_DEFAULTS
 from .datasets import Domain
 from .evaluate import BACKPROP, EvalSpec, evaluate
+from .protocols import RESETTING, SEVERITIES, schedule, stream_batches
 from .tuning import beyond_edge, choose, spending_bound
 
-PROTOCOLS = ("single", "continual")
+PROTOCOLS = ("single", "continual")  # the protocols scored by default
 SCALES = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 EVA0_ONLY = {"activation_shift", "shift_window", "shift_max"}
 
@@ -40,12 +42,40 @@ EVA0_ONLY = {"activation_shift", "shift_window", "shift_max"}
 @dataclass
 class TuneData:
     """The validation images a tuning scores on: the corrupted domains (streamed per
-    protocol) and the clean domain(s); ``dataset`` and ``severity`` name them in the log."""
+    protocol, at each of ``severity``'s severities; ``gradual`` streams them at 1-5, so a
+    tuning with it holds every corruption at every severity) and the clean domain(s);
+    ``dataset`` and ``severity`` name them in the log."""
 
     corrupted: list[Domain]
     clean: list[Domain]
     dataset: str
-    severity: int
+    severity: int | list[int]
+
+
+def corrupted_sets(data: TuneData, protocol: str) -> list[tuple[str, int, list[Domain]]]:
+    """The stream sets ``protocol`` scores: (cell infix, the spec's severity, domains) each;
+    one per severity (infix `` S=<s>`` when several), ``gradual``'s one of every severity;
+    ValueError for a severity no corrupted domain has."""
+    if protocol == "gradual":
+        return [("", 5, [d for d in data.corrupted if d.severity in SEVERITIES])]
+    listed = severities_of(data)
+    sets = []
+    for severity in listed:
+        domains = [d for d in data.corrupted if d.severity == severity]
+        if not domains:
+            raise ValueError(f"no corrupted validation domain at severity {severity}")
+        sets.append(("" if len(listed) == 1 else f" S={severity}", severity, domains))
+    return sets
+
+
+def severities_of(data: TuneData) -> list[int]:
+    """The severities the corrupted protocols other than ``gradual`` score."""
+    return [data.severity] if isinstance(data.severity, int) else list(data.severity)
+
+
+def _batches(domains: list[Domain], protocol: str, batch: int) -> int:
+    """The batches one run of ``protocol`` over ``domains`` streams at batch size ``batch``."""
+    return stream_batches(schedule(domains, protocol, 0), batch)
 
 
 @dataclass
@@ -98,37 +128,44 @@ def cell_batches(data: TuneData, settings: TuneSettings, batch_sizes: list[int] 
                  protocols: list[str] | None = None) -> int:
     """The batches one scoring streams (the progress bar's unit)."""
     sizes = batch_sizes or settings.batch_sizes
-    corrupted = sum(-(-len(d) // b) for d in data.corrupted for b in sizes)
+    corrupted = sum(_batches(domains, protocol, b) for protocol in protocols or settings.protocols
+                    for _, _, domains in corrupted_sets(data, protocol) for b in sizes)
     clean = sum(-(-len(d) // b) for d in data.clean for b in sizes)
-    return corrupted * len(protocols or settings.protocols) + clean
+    return corrupted + clean
 
 
 def score(
     model: str, method: str, data: TuneData, settings: TuneSettings,
     overrides: dict[str, Any], bar: Any = None, batch_sizes: list[int] | None = None,
 ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
-    """Accuracy (%) per cell, ``<protocol> B=<b>`` (corrupted average) and ``clean B=<b>``,
-    each corrupted cell's measured forwards per sample, and (with ``settings.max_forwards``)
-    the most a budget of that many forwards may spend in the cell; ``settings.fixed``
-    applies under ``overrides``."""
+    """Accuracy (%) per cell, ``<protocol> B=<b>`` (corrupted average; ``<protocol> S=<s>
+    B=<b>`` with several severities) and ``clean B=<b>``, each corrupted cell's measured
+    forwards per sample, and (with ``settings.max_forwards``) the most a budget of that many
+    forwards may spend in the cell; ``settings.fixed`` applies under ``overrides``."""
     common = dict(
-        model=model, dataset=data.dataset, severity=data.severity, batch_size=64,
+        model=model, dataset=data.dataset, batch_size=64,
         methods=[method], split="val", overrides={**settings.fixed, **overrides},
         session=SessionSettings(provider="cpu", threads=settings.threads),
     )
     cells, forwards, bounds = {}, {}, {}
     for protocol in settings.protocols:
-        for batch in batch_sizes or settings.batch_sizes:
-            spec = EvalSpec(protocol=protocol, batch_sizes=[batch], **common)
-            r = evaluate(spec, progress=False, domains=data.corrupted)[method]
-            cell = f"{protocol} B={r.batch}"
-            cells[cell], forwards[cell] = r.average, r.forwards_per_sample
-            if settings.max_forwards is not None:
-                bounds[cell] = spending_bound(settings.max_forwards, protocol, r)
-            if bar is not None:
-                bar.update(sum(-(-len(d) // batch) for d in data.corrupted))
+        for infix, severity, domains in corrupted_sets(data, protocol):
+            for batch in batch_sizes or settings.batch_sizes:
+                spec = EvalSpec(protocol=protocol, severity=severity, batch_sizes=[batch],
+                                **common)
+                r = evaluate(spec, progress=False, domains=domains)[method]
+                cell = f"{protocol}{infix} B={r.batch}"
+                cells[cell], forwards[cell] = r.average, r.forwards_per_sample
+                if settings.max_forwards is not None:
+                    # the bound counts the samples between resets: a never-reset stream's all
+                    bounds[cell] = spending_bound(
+                        settings.max_forwards, "single" if protocol in RESETTING else "continual",
+                        r)
+                if bar is not None:
+                    bar.update(_batches(domains, protocol, batch))
     for batch in batch_sizes or settings.batch_sizes:
-        spec = EvalSpec(protocol="single", batch_sizes=[batch], **common)
+        spec = EvalSpec(protocol="single", severity=severities_of(data)[0],
+                        batch_sizes=[batch], **common)
         r = evaluate(spec, progress=False, domains=data.clean)[method]
         cells[f"clean B={r.batch}"] = r.average
         if bar is not None:
@@ -143,8 +180,8 @@ def noadapt_reference(
     plain = TuneSettings(**{**settings.__dict__, "fixed": {}})
     cells, _, _ = score(model, "noadapt", data, plain, {}, bar, batch_sizes=[64])
     return {
-        f"{kind} B={b}": cells[f"{kind} B=64"]
-        for kind in (*settings.protocols, "clean") for b in settings.batch_sizes
+        f"{cell.removesuffix(' B=64')} B={b}": value
+        for cell, value in cells.items() for b in settings.batch_sizes
     }
 
 
