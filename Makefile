@@ -6,7 +6,7 @@ STAMP := $(VENV)/.eva0-edge-installed
 
 FMNIST := /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz
 
-.PHONY: blackbox setup data demo test test-fast lint mutate tables tables-bn tune-bnstats sweep hostile budget layers quant tune FORCE
+.PHONY: blackbox setup data demo test test-fast lint mutate tables tables-bn tune-bnstats sweep hostile budget pareto layers quant tune FORCE
 
 # A strict editable install: a link tree mirrors the import names (eva0_edge.runtime ->
 # runtime/, ...), so static tools (mypy, IDEs) resolve them too; the tree is rebuilt when the
@@ -144,6 +144,40 @@ budget: setup data
 				--out $(BUDGET_OUT)/$$m-$$f -q; \
 		done; done
 	$(PY) -m eva0_edge.bench.budget_summary $(BUDGET_OUT)
+
+# The Pareto report per protocol (issue 49): for every protocol of PARETO_PROTOCOLS at the
+# severities PARETO_SEVERITIES (a list or range for --severity, each severity its own stream;
+# gradual runs 1->5->1 by itself), BUDGET_REFERENCE at full cost and BUDGET_METHOD at each of
+# BUDGETS, on PARETO_MODELS; each of PARETO_BANKS (domain-memory bank sizes, the config's
+# bank_slots; empty: none) adds BUDGET_METHOD at full cost and at BUDGETS with that bank. The
+# summary: a table row and a Pareto panel per model, protocol, severity and batch size
+# (out/pareto/budget.md, .json, .png).
+PARETO_PROTOCOLS ?= single continual imbalanced gradual mixed soak
+PARETO_SEVERITIES ?= 1-5
+PARETO_LIMIT ?= 300
+PARETO_BATCHES ?= 1,16,64
+PARETO_SOAK_PASSES ?= 10
+PARETO_BANKS ?=
+PARETO_MODELS ?= $(BUDGET_MODELS)
+PARETO_OUT ?= out/pareto
+pareto: setup data
+	set -e; for m in $(PARETO_MODELS); do for p in $(PARETO_PROTOCOLS); do \
+		sev=$$(test $$p = gradual || echo "--severity $(PARETO_SEVERITIES)"); \
+		run="$(VENV)/bin/eva0-edge eval --model models/$$m.onnx --protocol $$p $$sev \
+			--limit $(PARETO_LIMIT) --batch-sizes $(PARETO_BATCHES) \
+			--soak-passes $(PARETO_SOAK_PASSES) --seed $(BUDGET_SEED) --threads 1 -q"; \
+		$$run --methods $(BUDGET_REFERENCE) --out $(PARETO_OUT)/$$m-$$p-full; \
+		for f in $(BUDGETS); do \
+			$$run --methods $(BUDGET_METHOD) --budget $$f --out $(PARETO_OUT)/$$m-$$p-$$f; \
+		done; \
+		for b in $(PARETO_BANKS); do \
+			$$run --methods $(BUDGET_METHOD) --set bank_slots=$$b \
+				--out $(PARETO_OUT)/$$m-$$p-bank$$b-full; \
+			for f in $(BUDGETS); do \
+				$$run --methods $(BUDGET_METHOD) --set bank_slots=$$b --budget $$f \
+					--out $(PARETO_OUT)/$$m-$$p-bank$$b-$$f; \
+			done; done; done; done
+	$(PY) -m eva0_edge.bench.budget_summary $(PARETO_OUT)
 
 # Where to adapt: the cost of adapting fewer layers (random weights; ResNet50-GN: the last
 # stage, stage 3 alone, the last two, the default stages 1-3, every GroupNorm; ViT-B: the last
