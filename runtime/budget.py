@@ -109,6 +109,11 @@ class ComputeBudget:
         """A change of stream: spend densely until the credit runs out."""
         self.dense = True
 
+    def settle(self) -> None:
+        """The stream is one already learnt (the domain bank recalled it): spend evenly, the
+        credit kept for streams it does not know."""
+        self.dense = False
+
     def adapt(self, batch: int) -> bool:
         """Whether to adapt on the next batch of ``batch`` samples (and charge it): the
         synchronous step, which :meth:`earn`s the batch's credit and then :meth:`spend`s."""

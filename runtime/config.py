@@ -15,11 +15,15 @@ from typing import TYPE_CHECKING, Any, get_args, get_type_hints
 
 import numpy as np
 
+from .bank import BANK_THRESHOLD, MAX_BANK_SLOTS
 from .budget import BURST_SAMPLES, check_budget
 
 if TYPE_CHECKING:
     from .metadata import ModelMetadata
     from .registry import MethodSpec
+
+# the activation shift's settings, tuned with the method's rates (MethodSpec.shift_from)
+SHIFT_KEYS = ("activation_shift", "shift_window", "shift_max")
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +89,12 @@ class AdaptConfig:
     ``free_shift_margin``: the root-mean-square class imbalance of that mean logit (nats) taken
     for the model's own: the offset is shrunk by max(0, 1 - margin^2 / rms^2), so a stream with
     about that much imbalance (clean images) is barely moved (0 = no shrinkage).
+
+    Domain memory (:mod:`.bank`): ``bank_slots`` past stream segments' adapted states (theta,
+    moments, the shift's window) kept, least recently used evicted (0 = off; at most
+    ``MAX_BANK_SLOTS``), keyed by the segment's input descriptors; a new segment within
+    ``bank_threshold`` standard errors of a key (the input change detector's test) restores
+    that state at no forward and the budget spends on it as on a stream it knows.
     """
 
     mu: float = 0.06
@@ -131,6 +141,8 @@ class AdaptConfig:
     shift_max: float | None = None
     free_shift: float = 0.0
     free_shift_margin: float = 0.0
+    bank_slots: int = 0
+    bank_threshold: float = BANK_THRESHOLD
     eps: float = 1e-8
     delta: float = 1e-8
 
@@ -199,12 +211,16 @@ def engine_config(
     spec: MethodSpec, metadata: ModelMetadata, overrides: dict[str, Any]
 ) -> AdaptConfig:
     """The EVA-0-family method ``spec``'s values on the model of ``metadata``: the defaults,
-    then the file's recommended values, the method's overrides, the file's tuned values for the
-    method and the caller's ``overrides``, in that order; checked (ValueError naming the
+    then the file's recommended values, the method's overrides, the activation shift tuned for
+    the method's ``shift_from`` (when on there), the file's tuned values for the method and the
+    caller's ``overrides``, in that order; checked (ValueError naming the
     value). Without source statistics lambda_swa is 0 (source-free, with a warning)."""
     method = spec.name
     config = AdaptConfig().updated(metadata.recommended)
     config = config.updated(spec.overrides)
+    shared = metadata.tuned.get(spec.shift_from or "", {})
+    if shared.get("activation_shift"):  # the shift as tuned for spec.shift_from's method
+        config = config.updated({k: shared[k] for k in SHIFT_KEYS if k in shared})
     config = config.updated(metadata.tuned.get(method, {})).updated(overrides)
     if config.lambda_swa > 0 and not metadata.has_source_stats:
         if spec.adapts:
@@ -240,6 +256,10 @@ def engine_config(
             f"(exactly 2 for one-sided methods), got {fp}"
         )
     check_budget(method, config.budget, fp, config.budget_burst)
+    if not 0 <= config.bank_slots <= MAX_BANK_SLOTS or config.bank_threshold <= 0:
+        raise ValueError(f"need 0 <= bank_slots <= {MAX_BANK_SLOTS} (0: no domain bank) and "
+                         f"bank_threshold > 0, got {config.bank_slots} and "
+                         f"{config.bank_threshold}")
     return config
 
 

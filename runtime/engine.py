@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from .bank import Memory
 from .config import engine_config
 from .estimator import GradientEstimate, Objective, PreparedEstimate, ZerothOrderEstimator
 from .guard import alignment_distance
@@ -296,6 +297,41 @@ class Engine:
             self._skip("non-finite theta")
             return None
         return est.prediction
+
+    def segment_memory(self, key: np.ndarray, samples: float) -> Memory:
+        """What the state holds of the stream segment now ending, for the domain bank: theta,
+        the feature moments and the activation shift's long window (zeros of the head input's
+        width while empty; none without a shift), under ``key`` [6] (the segment's input
+        descriptors) and its length ``samples``."""
+        st = self.state
+        width = 0 if self.shift is None else self.shift.head.width
+        weight = st.shift_weight if st.shift_mean.size == width else 0.0
+        return Memory(
+            key=key.copy(), theta=st.theta.copy(),
+            shift_mean=st.shift_mean.copy() if weight else np.zeros(width),
+            moments=np.concatenate([st.center, st.mean, st.second_moment]),
+            shift_sq=st.shift_sq if weight else 0.0, shift_weight=weight,
+            stat_weight=st.stat_weight, last_used=0.0, samples=float(samples),
+        )
+
+    def recall(self, memory: Memory) -> None:
+        """Make a domain bank's ``memory`` the state: its theta current and healthy, no
+        momentum, its moments, and its shift window as the long one (the short window refills;
+        the offset is served at once). No forward runs."""
+        st = self.state
+        self._generation += 1
+        st.theta = memory.theta.astype(np.float32, copy=True)
+        st.healthy_theta = st.theta.copy()
+        st.velocity = np.zeros_like(st.velocity)
+        classes, features = st.center.size, st.mean.size
+        st.center = memory.moments[:classes].copy()
+        st.mean = memory.moments[classes:classes + features].copy()
+        st.second_moment = memory.moments[classes + features:].copy()
+        st.stat_weight = memory.stat_weight
+        if self.shift is not None and memory.shift_weight > 0:
+            st.shift_mean, st.shift_sq = memory.shift_mean.copy(), memory.shift_sq
+            st.shift_weight = memory.shift_weight
+            st.shift_recent_weight = 0.0
 
     def roll_back(self, theta: np.ndarray) -> None:
         """Make ``theta`` [P] both the current and the healthy theta, with no momentum and the

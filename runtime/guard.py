@@ -203,6 +203,12 @@ class HealthGuard:
         self.restart_windows()
         return True
 
+    def abandon_audit(self) -> None:
+        """End the running audit without a verdict (the domain bank restored a theta learnt
+        on this stream, see :mod:`.bank`); the windows restart for what follows."""
+        self.auditing = self.serving_candidate = False
+        self.restart_windows()
+
     @property
     def duel_margin(self) -> float:
         """How many times theta0's feature distance to the source the candidate may be at and

@@ -83,6 +83,7 @@ class InputChangeDetector:
         self.recent_factor = window_factor(RECENT_SAMPLES)
         self.changes = 0
         self.last_z_squared: float | None = None  # the last batch's largest z^2 (see observe)
+        self.last_values = np.zeros((0, len(DESCRIPTORS)))  # the last batch's descriptors
         self.restart()
 
     def restart(self) -> None:
@@ -95,8 +96,8 @@ class InputChangeDetector:
         """Add the images x [B, C, H, W] (stream order) and return whether the stream changed;
         on a change both windows restart (the next change is looked for among the samples
         that follow). ``last_z_squared`` keeps the batch's largest descriptor z^2 (None while
-        the windows fill)."""
-        values = describe(x)
+        the windows fill) and ``last_values`` the batch's descriptors [B, 3]."""
+        values = self.last_values = describe(x)
         self.recent_mean, self.recent_weight = windowed_update(
             self.recent_mean, self.recent_weight, values, self.recent_factor)
         self.last_z_squared = self._z_squared()

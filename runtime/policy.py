@@ -4,8 +4,10 @@
 and, without a guard, FOA: :class:`~.foa.FOAModel` has the same ``serve`` / ``adapt`` /
 ``predict``):
 
-1. **a method that does not adapt** (NoAdapt, noadapt-shift): one forward at theta, served
-   (the activation shift learns from it unless frozen);
+1. **the one-forward tier** (a method that does not adapt: NoAdapt, noadapt-shift; or an
+   adapting one at ``budget`` 1): one forward at theta, served (the activation shift learns
+   from it unless frozen); noadapt-shift takes eva0's tuned shift, so it and eva0 at
+   ``--budget 1`` are one computation, bit for bit;
 2. **the health guard's pause or audit**: the candidate theta and theta0 duel in one ORT call
    (one forward per sample when the candidate is theta0), theta0 or the candidate served; at
    its end the guard's verdict (checkpoint / theta0 / hold) says where adaptation resumes;
@@ -46,9 +48,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from .bank import MIN_SEGMENT_SAMPLES, DomainBank
 from .budget import ComputeBudget
 from .guard import GuardBounds, HealthGuard
-from .inputwatch import InputChangeDetector
+from .inputwatch import DESCRIPTORS, RECENT_SAMPLES, InputChangeDetector
 from .metadata import ModelMetadata
 from .monitoring import Health, StepStats
 from .registry import RUNTIME_KINDS, MethodSpec, spec_of
@@ -64,6 +67,9 @@ log = logging.getLogger(__name__)
 
 # The fewest served rows the asynchronous server learns from at once (serve_step)
 LEARN_BLOCK = 8
+# The domain bank looks a new segment up at the change itself from the last CHANGE_ROWS images
+# (the batch's, when it holds as many), then from the detector's recent window once full
+CHANGE_ROWS = 8
 
 
 class AdaptationPass:
@@ -139,6 +145,12 @@ class Policy:
         self.inputs = InputChangeDetector()
         # served batches not learnt from yet (serve_step): their checked images and features
         self._waiting: list[tuple[np.ndarray, np.ndarray]] = []
+        self.bank = self._read_bank()
+        self._segment_slot: int | None = None  # the bank slot the current segment came from
+        self._segment_samples = 0
+        self._recall_due = True  # look the segment up once the detector's window is full
+        self._known_change = False  # the change of this batch was recalled from the bank
+        self._last_rows = np.zeros((0, len(DESCRIPTORS)))  # the last images' descriptors
 
     def _engine(self) -> Engine:
         """The model as the EVA-0-family engine: what the health guard, its duels, the state
@@ -149,7 +161,7 @@ class Policy:
         return cast("Engine", self.model)
 
     def _new_guard(self) -> HealthGuard | None:
-        if not self.spec.guard or not self.spec.adapts:
+        if not self.spec.guard or self.one_forward:
             return None
         m = self._engine()
         cfg = m.config
@@ -161,17 +173,37 @@ class Policy:
         return HealthGuard(bounds, cfg.guard_window, cfg.guard_warmup, cfg.guard_checkpoint,
                            m.source_stats, cfg.guard_audit_margin, cfg.guard_change_margin)
 
+    def _read_bank(self) -> DomainBank | None:
+        """The domain bank the state holds (``bank_slots`` > 0 and an adapting EVA-0-family
+        method), or None."""
+        slots = getattr(self.model.config, "bank_slots", 0)
+        if not slots or self.one_forward or not self.spec.keeps_state:
+            return None
+        m = self._engine()
+        st = m.state
+        width = 0 if m.shift is None else m.shift.head.width
+        return DomainBank.read(st, slots, m.config.bank_threshold, width,
+                               st.center.size + st.mean.size + st.second_moment.size)
+
     def _new_budget(self) -> ComputeBudget | None:
         """The compute budget, or None when the method adapts on every batch."""
         cfg = self.model.config
         # adapting apart from serving, an adapted sample costs #FP + 1 forwards: F = #FP
         # still leaves some samples unadapted
         unbounded = cfg.forwards + 1 if self.asynchronous else cfg.forwards
-        if not self.spec.adapts or cfg.budget is None or cfg.budget >= unbounded:
+        if self.one_forward or cfg.budget is None or cfg.budget >= unbounded:
             return None
         return ComputeBudget(cfg.budget, cfg.forwards, self.asynchronous, cfg.budget_burst)
 
     # ----------------------------------------------------------------- the model
+    @property
+    def one_forward(self) -> bool:
+        """Whether every batch is served with one forward at theta and nothing adapts: a
+        method that does not adapt, or an adapting one at ``budget`` 1 (no guard, no budget
+        then: theta never moves)."""
+        budget = getattr(self.model.config, "budget", None)
+        return not self.spec.adapts or (budget is not None and budget <= 1)
+
     @property
     def spec(self) -> MethodSpec:
         return self.model.spec
@@ -242,7 +274,8 @@ class Policy:
     def stats(self) -> dict[str, Any]:
         """Counters and health of the adaptation (JSON-serialisable)."""
         stats = {**self.model.stats(),
-                 "budget": None if self.budget is None else self.budget.summary()}
+                 "budget": None if self.budget is None else self.budget.summary(),
+                 "bank": None if self.bank is None else self.bank.summary()}
         if not self.spec.guard:
             return stats
         m = self._engine()
@@ -260,6 +293,8 @@ class Policy:
     def health(self) -> Health:
         """The counters a server exports (see :class:`~.monitoring.Health`)."""
         health = self.model.health()
+        if self.one_forward:
+            health = replace(health, adapting=False)
         guard = self.guard
         if guard is None:
             return health
@@ -331,6 +366,8 @@ class Policy:
         m.sync_state()
         if self.budget is not None:
             m.state.budget_fill = self.budget.fill
+        if self.bank is not None:
+            self.bank.write(m.state)
 
     # ----------------------------------------------------------------- the policy
     def step(self, x: np.ndarray) -> np.ndarray:
@@ -412,24 +449,24 @@ class Policy:
 
     def _adapting(self) -> bool:
         """Whether the method's step may run now: it adapts, not frozen, no guard pause."""
-        return self.spec.adapts and not self.model.frozen and self._pause_left() == 0
+        return not self.one_forward and not self.model.frozen and self._pause_left() == 0
 
     def _step(self, x: np.ndarray, adapt: bool) -> np.ndarray:
         m = self.model
-        if not self.spec.adapts:
+        if self.one_forward:
             if m.shift is None or m.frozen:
                 return m.predict(x)
             return m.serve(m.session.check_input(x))[0]
         paused = self._pause_left()
-        if paused > 0 and not m.frozen and self.guard is not None:
-            return self._paused_step(self.guard, x)
-        if m.frozen or paused > 0:
+        if m.frozen or (paused > 0 and self.guard is None):
             logits = m.predict(x)
             if paused > 0:
                 self._engine().state.pause_left = max(0, paused - logits.shape[0])
             return logits
         x = m.session.check_input(x)
-        inputs_changed = self._inputs_changed(x)
+        inputs_changed = self._inputs_changed(x)  # a recall from the bank may end an audit
+        if self.guard is not None and self._pause_left() > 0:
+            return self._paused_step(self.guard, x, inputs_changed)
         if self.budget is not None:  # serving apart only earns; the step earns and spends
             if adapt:
                 adapt = self.budget.adapt(x.shape[0])
@@ -452,6 +489,8 @@ class Policy:
         detector) the budget spends densely, and an audit asks whether what was learnt is
         still better than theta0 there (frost-adapted ViT on clean images: 63% of the first
         100); the guard's periodic audit otherwise when due."""
+        if self._known_change:  # recalled from the bank: a stream already learnt
+            self._known_change = stream_changed = False
         if stream_changed and self.budget is not None:
             self.budget.changed()
         guard = self.guard
@@ -481,14 +520,94 @@ class Policy:
         m.roll_back(m.metadata.theta0)
 
     def _inputs_changed(self, x: np.ndarray) -> bool:
-        """Feed the input change detector (with the guard or the budget on) the images x
-        [B, C, H, W]; on a change the activation shift's window restarts too (it holds the old
-        stream's head inputs: the ViT's, after Gaussian noise, moved clean images by the
+        """Feed the input change detector (with the guard, the budget or the domain bank on) the
+        images x [B, C, H, W]; on a change the activation shift's window restarts too (it holds
+        the old stream's head inputs: the ViT's, after Gaussian noise, moved clean images by the
         noise's offset for a window's length)."""
-        if (self.guard is None and self.budget is None) or not self.inputs.observe(x):
+        watched = self.guard is not None or self.budget is not None or self.bank is not None
+        if not watched:
+            return False
+        key = None if self.bank is None else self._segment_key()
+        if not self.inputs.observe(x):
+            if self.bank is not None:
+                self._follow_segment(x.shape[0])
             return False
         if self.model.shift is not None:
             self.model.shift.restart(self._engine().state)
+        if key is not None:
+            self._change_segment(key, x.shape[0])
+        return True
+
+    # ----------------------------------------------------------------- the domain bank
+    def _segment_key(self) -> np.ndarray:
+        """The current segment's input descriptors [6]: the detector's long window's mean and
+        variance of each (before the batch that may end the segment)."""
+        width = len(DESCRIPTORS)
+        mean = self.inputs.long_moments[:width]
+        variance = np.maximum(self.inputs.long_moments[width:] - mean**2, 0.0) + \
+            1e-8 * (1.0 + mean**2)
+        return np.concatenate([mean, variance])
+
+    def _note_rows(self) -> np.ndarray:
+        """Keep the last ``CHANGE_ROWS`` images' descriptors; return them."""
+        rows = np.concatenate([self._last_rows, self.inputs.last_values])[-CHANGE_ROWS:]
+        self._last_rows = rows
+        return rows
+
+    def _follow_segment(self, batch: int) -> None:
+        """A batch of the current segment: counted; once the detector's recent window is full,
+        a segment not recalled at its change is looked up in the bank (once)."""
+        self._note_rows()
+        self._segment_samples += batch
+        full = 1.0 - self.inputs.recent_factor**RECENT_SAMPLES
+        if self._recall_due and self.inputs.recent_weight >= full and self._may_recall():
+            self._recall_due = False
+            self._recall(self.inputs.recent_mean, float(RECENT_SAMPLES), count_miss=True)
+
+    def _change_segment(self, key: np.ndarray, batch: int) -> None:
+        """A change of stream: the segment that ends is kept in the bank (when it is at least
+        ``MIN_SEGMENT_SAMPLES`` long and the guard neither pauses nor holds: a theta it
+        vouches for), in the slot it was recalled from if it was; the new one is looked up
+        from its first images."""
+        bank, guard, m = self.bank, self.guard, self._engine()
+        assert bank is not None
+        rows = self._note_rows()
+        vouched = guard is None or (not self._pause_left() and not guard.holding)
+        if self._segment_samples >= MIN_SEGMENT_SAMPLES and vouched and not m.frozen:
+            bank.store(m.segment_memory(key, self._segment_samples), self._segment_slot)
+        self._segment_slot, self._segment_samples = None, batch
+        self._recall_due = True
+        if self._may_recall() and self._recall(rows.mean(axis=0), float(len(rows)),
+                                               count_miss=False):
+            self._recall_due = False
+            self._known_change = True
+
+    def _may_recall(self) -> bool:
+        """Whether a recall may replace theta now: not frozen, and no pause of the guard but
+        an audit (a trip's pause is the guard's to end)."""
+        guard = self.guard
+        return not self.model.frozen and (
+            not self._pause_left() or (guard is not None and guard.auditing))
+
+    def _recall(self, mean: np.ndarray, samples: float, count_miss: bool) -> bool:
+        """Look the descriptors' ``mean`` over ``samples`` images up in the bank; on a hit
+        restore that segment's state (no forward), end an audit the change started, and let
+        the budget spend as on a stream it knows. Returns whether it hit."""
+        bank, m, guard = self.bank, self._engine(), self.guard
+        assert bank is not None
+        slot = bank.recall(mean, samples, count_miss)
+        if slot is None:
+            return False
+        m.recall(bank.memories[slot])
+        self._segment_slot = slot
+        if guard is not None:
+            if guard.auditing:
+                m.state.pause_left = 0
+            guard.abandon_audit()
+        if self.budget is not None:
+            self.budget.settle()
+        log.info("domain bank: the stream is segment %d again (%d hits); its state restored",
+                 slot, bank.hits)
         return True
 
     # ----------------------------------------------------------------- the health guard
@@ -518,13 +637,12 @@ class Policy:
             st.pause_left,
         )
 
-    def _paused_step(self, guard: HealthGuard, x: np.ndarray) -> np.ndarray:
-        """One batch of the guard's pause: the candidate theta and theta0 in one ORT call (one
+    def _paused_step(self, guard: HealthGuard, x: np.ndarray, inputs_changed: bool) -> np.ndarray:
+        """One batch of the guard's pause on the checked x (``inputs_changed``: the input change
+        detector saw a new stream in it): the candidate theta and theta0 in one ORT call (one
         forward per sample when the candidate is theta0), theta0's logits [B, K] served; at
         the end of the pause, the guard's verdict picks where adaptation resumes."""
         m = self._engine()
-        x = m.session.check_input(x)
-        inputs_changed = self._inputs_changed(x)
         st, batch = m.state, x.shape[0]
         theta0 = m.metadata.theta0.astype(np.float32)
         dueled = not np.array_equal(st.theta, theta0)

@@ -38,7 +38,10 @@ class MethodSpec:
     What it can do, asked of the entry and never of a type: ``keeps_state`` (a state that is
     saved, resumed, installed over HTTP and merged across a fleet), ``guard`` (the health
     guard can watch it: its bounds are calibrated on adapted norm parameters),
-    ``separate_step`` (its step can run apart from serving: the asynchronous server)."""
+    ``separate_step`` (its step can run apart from serving: the asynchronous server).
+    ``shift_from``: the method whose tuned activation-shift values (``config.SHIFT_KEYS``) this
+    one takes when that method's shift is on (noadapt-shift takes eva0's: it is the one-forward
+    tier, the same computation as eva0 at ``--budget 1``)."""
 
     name: str
     kind: str
@@ -50,6 +53,7 @@ class MethodSpec:
     keeps_state: bool = True
     guard: bool = True
     separate_step: bool = True
+    shift_from: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -70,8 +74,9 @@ def register(spec: MethodSpec) -> MethodSpec:
 for _spec in (
     MethodSpec("noadapt", "engine", 1, "the source model, one forward", adapts=False),
     MethodSpec("noadapt-shift", "engine", 1,
-               "the source model with FOA's activation shift (no update), one forward",
-               adapts=False, overrides={"activation_shift": 1.0}),
+               "the source model with the activation shift as tuned for eva0 (no update), one "
+               "forward: eva0 at --budget 1",
+               adapts=False, overrides={"activation_shift": 1.0}, shift_from="eva0"),
     MethodSpec("eva0", "engine", 2, "EVA-0 (lambda > 0 when the model has source statistics)"),
     MethodSpec("eva0-dagger", "engine", 2,
                "EVA-0, fully source-free: E_SR only and the source-free activation shift",

@@ -29,12 +29,16 @@ import numpy as np
 
 from .atomic import atomic_write_bytes
 
-STATE_VERSION = 3
+STATE_VERSION = 4
 _REQUIRED_ARRAYS = (
     "theta", "anchor", "center", "mean", "second_moment", "velocity", "healthy_theta",
 )
-_OPTIONAL_ARRAYS = ("shift_mean", "shift_recent")  # absent from version-2 files
-_PARAMETER_ARRAYS = ("theta", "anchor", "velocity", "healthy_theta")  # float32, as stored
+# the domain bank's slots, one after the other (runtime.bank); absent from version-3 files
+BANK_ARRAYS = ("bank_keys", "bank_theta", "bank_shift", "bank_moments", "bank_scalars")
+# absent from version-2 files (the shift windows), and version-3 ones (the bank)
+_OPTIONAL_ARRAYS = ("shift_mean", "shift_recent", *BANK_ARRAYS)
+# float32, as stored
+_PARAMETER_ARRAYS = ("theta", "anchor", "velocity", "healthy_theta", "bank_theta")
 _ARRAY_FIELDS = (*_REQUIRED_ARRAYS, *_OPTIONAL_ARRAYS)
 _COUNTS = (  # ints in [0, 2^63)
     "step", "skipped", "seed", "clipped_coefs", "clipped_steps", "guard_trips", "pause_left",
@@ -69,6 +73,8 @@ class AdaptState:
     head input [D] (float64; empty until the shift is used), mean squared norm and weight;
     shift_recent, shift_recent_sq, shift_recent_weight: the same over its short change window.
     budget_fill: the compute budget's credit as a share of its bucket (1 = full; :mod:`.budget`).
+    bank_keys, bank_theta, bank_shift, bank_moments, bank_scalars: the domain bank's slots,
+    flattened one after the other (:mod:`.bank`; empty when it holds none).
     """
 
     theta: np.ndarray
@@ -99,6 +105,11 @@ class AdaptState:
     shift_recent_sq: float = 0.0
     shift_recent_weight: float = 0.0
     budget_fill: float = 1.0
+    bank_keys: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    bank_theta: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
+    bank_shift: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    bank_moments: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    bank_scalars: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @classmethod
     def initial(cls, theta0: np.ndarray, num_classes: int, num_features: int, seed: int):
@@ -144,7 +155,7 @@ class AdaptState:
         optional = {"coef_scale", "coef_weight", "clipped_coefs", "clipped_steps",
                     "guard_trips", "pause_left", "frozen", "shift_mean", "shift_weight",
                     "shift_sq", "shift_recent", "shift_recent_sq", "shift_recent_weight",
-                    "budget_fill"}
+                    "budget_fill", *BANK_ARRAYS}
         missing = sorted(set(names) - optional - set(values))
         if missing:
             raise StateError(f"state lacks {missing}")

@@ -18,6 +18,9 @@ what adaptation itself could have produced on this model:
   window may pass before it holds enough samples to be checked), their mean squared norms at
   most (10x that scale)^2 and at least the squared norm of their mean (they are moments of the
   same samples);
+* the domain bank (:mod:`.bank`): at most ``bank_slots`` slots, each theta within
+  ``theta_radius`` of theta0 and each shift mean within ``shift_radius`` of the source's, as
+  the state's own (:func:`~.bank.check_bank`);
 * the feature moments: total energy ``sum(second_moment)`` at most 100x the source's
   ``sum(mean^2 + std^2)`` (an RMS feature norm 10x the source's), where the file has source
   statistics.
@@ -33,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .bank import bank_sizes, check_bank
 from .state import AdaptState, StateError, check_state_sizes
 
 if TYPE_CHECKING:
@@ -49,7 +53,8 @@ class StateLimits:
     """The bounds of one model and method. theta0: [P]; shift_source: the source head mean
     [D] (None: no shift); feature_energy: the bound on ``sum(second_moment)`` (None: no source
     statistics); sizes: the elements of every state array (None: not checked here);
-    shift_width: the head input's width D the shift windows hold (None: no shift)."""
+    shift_width: the head input's width D the shift windows hold (None: no shift); bank_slots:
+    the domain bank's slots (``bank_slots``)."""
 
     theta0: np.ndarray
     theta_radius: float
@@ -61,6 +66,7 @@ class StateLimits:
     feature_energy: float | None = None
     sizes: dict[str, int] | None = None
     shift_width: int | None = None
+    bank_slots: int = 0
 
     def check(self, state: AdaptState) -> None:
         """StateError naming the first field of the wrong size or beyond its bound (sizes
@@ -92,6 +98,8 @@ class StateLimits:
                 f"guard takes ({self.max_pause} samples)"
             )
         self._check_shift(state)
+        check_bank(state, self.bank_slots, self.theta0, self.theta_radius, self.shift_width or 0,
+                   state.center.size, self.shift_source, self.shift_radius)
         if self.feature_energy is not None:
             energy = float(state.second_moment.sum())
             if energy > self.feature_energy:
@@ -138,6 +146,7 @@ def state_limits(
         metadata.theta0.astype(np.float32), theta_radius, config.eta,
         max(config.guard_pause, config.guard_warmup) + MAX_PAUSE_BATCH,
         sizes=state_sizes(metadata), shift_width=None if shift is None else shift.head.width,
+        bank_slots=getattr(config, "bank_slots", 0),
     )
     if source_stats is not None:
         mean, std = source_stats
@@ -160,4 +169,5 @@ def state_sizes(metadata: ModelMetadata) -> dict[str, int]:
         "center": md.num_classes, "mean": md.num_features, "second_moment": md.num_features,
         "shift_mean": md.num_features,  # at most: the head input is one feature segment
         "shift_recent": md.num_features,
+        **bank_sizes(md.num_params, md.num_features, md.num_classes),
     }

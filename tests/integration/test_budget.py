@@ -95,19 +95,30 @@ def test_a_duel_is_lengthened_only_while_the_credit_pays_for_it():
     assert model.stats()["forwards_per_sample"] <= forwards_bound(1.5, BURST_SAMPLES, n, batch)
 
 
-def test_a_budget_of_one_forward_is_the_activation_shift_alone(fmnist_clean):
-    """No adaptation: bit for bit the source model with EVA-0's activation shift, one forward
-    per sample (on one stream: a change of input also restarts the shift, which the
-    non-adapting methods do not watch for)."""
-    model = Policy.load(RESNET, "eva0", {"budget": 1.0}, threads=1)
-    shift = {k: getattr(model.config, k) for k in ("activation_shift", "shift_window",
-                                                   "shift_max")}
-    source = Policy.load(RESNET, "noadapt-shift", shift, threads=1)
-    for i in range(0, 1024, 16):
-        x = fmnist_clean[i:i + 16]
-        np.testing.assert_array_equal(model.step(x), source.step(x))
-    assert model.stats()["forwards_per_sample"] == 1.0
-    np.testing.assert_array_equal(model.state.theta, read_metadata(RESNET).theta0)
+@pytest.mark.parametrize("batch", [1, 16])
+def test_one_forward_tier_is_one_computation_by_both_names(fmnist_clean, batch):
+    """eva0 at budget 1 and noadapt-shift: bit for bit the same logits, on a stream that
+    changes (Gaussian noise of std 0.3, then clean), stepped and served as the asynchronous
+    server serves; one forward per sample, theta0 throughout,
+    nothing adapting."""
+    noisy, _ = corrupted_fmnist("test", "gauss-0.3", 5, 2026, np.arange(256))
+    stream = np.concatenate([
+        preprocess_uint8(noisy, read_metadata(RESNET).preprocessing), fmnist_clean[:256]])
+    budget_one = Policy.load(RESNET, "eva0", {"budget": 1.0}, threads=1)
+    tier = Policy.load(RESNET, "noadapt-shift", threads=1)
+    served_one = Policy.load(RESNET, "eva0", {"budget": 1.0}, threads=1)
+    served_one.set_asynchronous()
+    for i in range(0, len(stream), batch):
+        x = stream[i:i + batch]
+        logits = tier.step(x)
+        np.testing.assert_array_equal(budget_one.step(x), logits)
+        np.testing.assert_array_equal(served_one.serve_step(x), logits)
+        assert served_one.begin_pass(x) is None
+    for model in (budget_one, tier, served_one):
+        assert model.stats()["forwards_per_sample"] == 1.0
+        assert not model.health().adapting
+        np.testing.assert_array_equal(model.state.theta, read_metadata(RESNET).theta0)
+    assert budget_one.config.activation_shift == tier.config.activation_shift > 1.0
 
 
 def test_a_full_budget_is_the_method_as_it_is(fmnist_clean):
