@@ -199,10 +199,12 @@ class Policy:
     @property
     def one_forward(self) -> bool:
         """Whether every batch is served with one forward at theta and nothing adapts: a
-        method that does not adapt, or an adapting one at ``budget`` 1 (no guard, no budget
-        then: theta never moves)."""
+        method that does not adapt, or an adapting EVA-0-family one at ``budget`` 1 (no guard,
+        no budget then: theta never moves; another method at budget 1 keeps its budget, which
+        serves the batches it does not adapt on)."""
         budget = getattr(self.model.config, "budget", None)
-        return not self.spec.adapts or (budget is not None and budget <= 1)
+        return not self.spec.adapts or (
+            self.spec.keeps_state and budget is not None and budget <= 1)
 
     @property
     def spec(self) -> MethodSpec:

@@ -223,8 +223,11 @@ def _digest(arrays: dict[str, np.ndarray]) -> str:
 
 
 def encode_state(state: AdaptState, fingerprint: str, info: dict[str, Any]) -> bytes:
-    """Serialise ``state`` (+ model fingerprint and free-form ``info``) to npz bytes."""
-    arrays = {name: getattr(state, name) for name in _ARRAY_FIELDS}
+    """Serialise ``state`` (+ model fingerprint and free-form ``info``) to npz bytes; an empty
+    domain bank writes no ``bank_*`` members, so a state without one reads wherever a
+    version-3 state did."""
+    arrays = {name: getattr(state, name) for name in _ARRAY_FIELDS
+              if name not in BANK_ARRAYS or getattr(state, name).size}
     scalars = {
         f.name: getattr(state, f.name) for f in fields(state) if f.name not in _ARRAY_FIELDS
     }
