@@ -105,17 +105,21 @@ sweep: setup data
 # frames, a stuck frame, and the sensor-fault sweep: Gaussian noise of std 0.1-0.5, blur, JPEG)
 # then clean images, one image per step, NoAdapt against EVA-0; one report per stream and seed
 # (HOSTILE_SEEDS orders the stream and draws the perturbations; the table averages the seeds).
+# HOSTILE_SET: overrides for EVA-0 (e.g. --set bank_slots=8), HOSTILE_OUT: the reports' folder.
 HOSTILE_STREAMS := black repeat gauss-0.1 gauss-0.2 gauss-0.3 gauss-0.5 blur-1 blur-2 jpeg-20 jpeg-5
 HOSTILE_LIMIT ?= 500
 HOSTILE_SEEDS ?= 0 1 2 3 4
+HOSTILE_SET ?=
+HOSTILE_OUT ?= out/hostile
 hostile: setup data
 	for m in vit_fmnist resnet_gn_fmnist; do for s in $(HOSTILE_STREAMS); do \
 		for seed in $(HOSTILE_SEEDS); do \
 		$(VENV)/bin/eva0-edge eval --model models/$$m.onnx --protocol continual \
 			--corruptions $$s,clean --batch-size 1 --limit $(HOSTILE_LIMIT) --seed $$seed \
-			--methods noadapt,eva0 --threads 1 --out out/hostile/$$m-$$s-seed$$seed -q; \
+			--methods noadapt,eva0 $(HOSTILE_SET) --threads 1 \
+			--out $(HOSTILE_OUT)/$$m-$$s-seed$$seed -q; \
 	done; done; done
-	$(PY) -m eva0_edge.bench.hostile_summary out/hostile
+	$(PY) -m eva0_edge.bench.hostile_summary $(HOSTILE_OUT)
 
 # What a compute budget buys: the continual stream (severity 5) on both shipped models at B = 1
 # and 64, NoAdapt / noadapt-shift / EVA-0 at full cost and EVA-0 at each of BUDGETS; the table
