@@ -397,3 +397,24 @@ def test_an_initial_state_holds_theta_in_float32_and_its_seed():
     state = AdaptState.initial(np.linspace(-1, 1, 4), 3, 2, seed=9)  # float64 given
     assert state.theta.dtype == state.anchor.dtype == state.velocity.dtype == np.float32
     assert state.healthy_theta.dtype == np.float32 and state.seed == 9
+
+
+def test_an_empty_bank_writes_no_bank_members_and_a_full_one_all_of_them():
+    """A reader that knows no bank (a version-3 reader's sizes, the fleet's) takes a state with
+    an empty bank; a state with a bank keeps every bank array through a round trip."""
+    from eva0_edge.runtime.state import BANK_ARRAYS, AdaptState, decode_state
+
+    state = AdaptState.from_dict(_plain_dict())
+    data = encode_state(state, "fp", {})
+    assert not {f"{name}.npy" for name in BANK_ARRAYS} & set(zipfile.ZipFile(io.BytesIO(data))
+                                                           .namelist())
+    sizes = {name: getattr(state, name).size or 4 for name in
+             ("theta", "anchor", "velocity", "healthy_theta", "center", "mean",
+              "second_moment", "shift_mean", "shift_recent")}
+    loaded, _ = decode_state(data, "fp", sizes)
+    np.testing.assert_array_equal(loaded.theta, state.theta)
+    for name in BANK_ARRAYS:
+        setattr(state, name, np.arange(3, dtype=np.float64) + 1)
+    loaded, _ = decode_state(encode_state(state, "fp", {}))
+    for name in BANK_ARRAYS:
+        np.testing.assert_array_equal(getattr(loaded, name), getattr(state, name))
