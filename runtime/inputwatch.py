@@ -117,8 +117,14 @@ class InputChangeDetector:
         if self.recent_weight < 1.0 - self.recent_factor**RECENT_SAMPLES or \
                 self.long_weight < 1.0 - self.long_factor**RECENT_SAMPLES:
             return None
+        mean, variance = self.long_window()
+        z_squared = (self.recent_mean - mean) ** 2 * RECENT_SAMPLES / variance
+        return float(z_squared.max())
+
+    def long_window(self) -> tuple[np.ndarray, np.ndarray]:
+        """The long window's mean [3] and variance [3] of each descriptor, the variance
+        floored at 1e-8 x (1 + mean^2) (what the change test divides by)."""
         width = len(DESCRIPTORS)
         mean = self.long_moments[:width]
         variance = np.maximum(self.long_moments[width:] - mean**2, 0.0) + 1e-8 * (1.0 + mean**2)
-        z_squared = (self.recent_mean - mean) ** 2 * RECENT_SAMPLES / variance
-        return float(z_squared.max())
+        return mean, variance

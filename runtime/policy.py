@@ -544,11 +544,7 @@ class Policy:
     def _segment_key(self) -> np.ndarray:
         """The current segment's input descriptors [6]: the detector's long window's mean and
         variance of each (before the batch that may end the segment)."""
-        width = len(DESCRIPTORS)
-        mean = self.inputs.long_moments[:width]
-        variance = np.maximum(self.inputs.long_moments[width:] - mean**2, 0.0) + \
-            1e-8 * (1.0 + mean**2)
-        return np.concatenate([mean, variance])
+        return np.concatenate(self.inputs.long_window())
 
     def _note_rows(self) -> np.ndarray:
         """Keep the last ``CHANGE_ROWS`` images' descriptors; return them."""
