@@ -132,9 +132,10 @@ class DomainBank:
 
     @classmethod
     def read(cls, state: AdaptState, slots: int, threshold: float, shift_width: int,
-             moments_width: int) -> DomainBank:
+             ) -> DomainBank:
         """The bank kept in ``state`` (checked by :func:`check_bank` first)."""
         bank = cls(slots, threshold)
+        moments_width = _moments_width(state)
         count = state.bank_keys.size // KEY_WIDTH
         if not count:
             return bank
@@ -149,6 +150,11 @@ class DomainBank:
                                         shifts[i].copy(), moments[i].copy(), **values))
         bank.clock = float(scalars[:, SCALARS.index("last_used")].max())
         return bank
+
+
+def _moments_width(state: AdaptState) -> int:
+    """The floats of one slot's moments: K + 2F, the centre, mean and second moment."""
+    return state.center.size + state.mean.size + state.second_moment.size
 
 
 def _joined(parts: list[np.ndarray], dtype: type = np.float64) -> np.ndarray:
@@ -185,7 +191,7 @@ def check_bank(
     if count > slots:
         raise StateError(f"state bank_keys holds {count} slots; this policy keeps at most "
                          f"{slots} (bank_slots)")
-    moments_width = state.center.size + state.mean.size + state.second_moment.size
+    moments_width = _moments_width(state)
     widths = {"bank_theta": theta0.size, "bank_shift": shift_width,
               "bank_moments": moments_width, "bank_scalars": len(SCALARS)}
     for name, width in widths.items():

@@ -180,10 +180,8 @@ class Policy:
         if not slots or self.one_forward or not self.spec.keeps_state:
             return None
         m = self._engine()
-        st = m.state
         width = 0 if m.shift is None else m.shift.head.width
-        return DomainBank.read(st, slots, m.config.bank_threshold, width,
-                               st.center.size + st.mean.size + st.second_moment.size)
+        return DomainBank.read(m.state, slots, m.config.bank_threshold, width)
 
     def _new_budget(self) -> ComputeBudget | None:
         """The compute budget, or None when the method adapts on every batch."""
