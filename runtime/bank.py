@@ -131,8 +131,7 @@ class DomainBank:
             np.array([getattr(m, name) for name in SCALARS]) for m in memories])
 
     @classmethod
-    def read(cls, state: AdaptState, slots: int, threshold: float, shift_width: int,
-             ) -> DomainBank:
+    def read(cls, state: AdaptState, slots: int, threshold: float, shift_width: int) -> DomainBank:
         """The bank kept in ``state`` (checked by :func:`check_bank` first)."""
         bank = cls(slots, threshold)
         moments_width = _moments_width(state)
