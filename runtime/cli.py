@@ -26,6 +26,12 @@ IO_BINDING_HELP = (
     "inputs into reused device buffers, split sessions' activations kept on the GPU; "
     "default: on for CUDA, off for the CPU)"
 )
+DEVICE_STEP_HELP = (
+    "on CUDA, keep the batch and the step's arrays on the GPU (CuPy, eva0-edge[gpu]): the input "
+    "check, the perturbations (Philox), the theta rows, the losses and the gradient there; "
+    "--no-device-step runs them on the host with the CPU's numbers (default: on where CuPy "
+    "sees the GPU)"
+)
 LOW_MEMORY_HELP = (
     "run the +/- copies as two ORT calls: peak memory of plain inference, the shared prefix "
     "computed twice"
@@ -113,6 +119,8 @@ def add_runtime_options(p: argparse.ArgumentParser, *, method: bool = True) -> N
     if method:
         p.add_argument("--io-binding", action=argparse.BooleanOptionalAction,
                        help=IO_BINDING_HELP)
+        p.add_argument("--device-step", action=argparse.BooleanOptionalAction,
+                       help=DEVICE_STEP_HELP)
         add_split_options(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
@@ -143,6 +151,7 @@ def session_settings(args: argparse.Namespace) -> SessionSettings:
         io_binding=getattr(args, "io_binding", None),
         split=getattr(args, "split_sessions", None),
         memory_budget_mb=getattr(args, "memory_budget_mb", None),
+        device_step=getattr(args, "device_step", None),
     )
 
 

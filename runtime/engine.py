@@ -35,6 +35,7 @@ import numpy as np
 
 from .bank import Memory
 from .config import engine_config
+from .device_step import DeviceEstimator
 from .estimator import GradientEstimate, Objective, PreparedEstimate, ZerothOrderEstimator
 from .guard import alignment_distance
 from .metadata import ModelMetadata
@@ -88,7 +89,8 @@ class Engine:
 
     ``prefetch``: draw the next step's perturbations on a worker thread while ORT runs the
     current one (the same numbers; default: on CUDA only, see
-    :class:`~.estimator.ZerothOrderEstimator`).
+    :class:`~.estimator.ZerothOrderEstimator`). A session with ``device_step`` estimates
+    on the device instead (:class:`~.device_step.DeviceEstimator`; nothing to prefetch).
     """
 
     def __init__(
@@ -118,10 +120,15 @@ class Engine:
             if self.metadata.has_source_stats
             else None
         )
-        self.estimator = ZerothOrderEstimator(
-            session, self.config, Objective(self.config, self.source_stats),
-            prefetch=session.device == "cuda" if prefetch is None else prefetch,
-        )
+        self.estimator: ZerothOrderEstimator | DeviceEstimator
+        if session.cupy is not None:
+            self.estimator = DeviceEstimator(session, self.config, self.source_stats,
+                                             session.cupy)
+        else:
+            self.estimator = ZerothOrderEstimator(
+                session, self.config, Objective(self.config, self.source_stats),
+                prefetch=session.device == "cuda" if prefetch is None else prefetch,
+            )
         asked = {**fp, **(config or {})}  # the shift the user asked for, which must load
         self.shift = configured_shift(session, self.config, self.method, (
             "activation_shift" if self.config.activation_shift > 0 else "free_shift") in asked)

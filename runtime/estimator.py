@@ -8,9 +8,11 @@ the gradient g = (1/qB) sum c z. Nothing here writes the adaptation state.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from .arrays import namespace
 from .config import AdaptConfig
 from .losses import sample_wise_alignment, shortcut_resistant_scores, softmax_entropy
 from .perturbation import NormalPrefetch, PerturbationPlan, anchor_direction
@@ -38,11 +40,12 @@ class GradientEstimate:
 @dataclass
 class PreparedEstimate:
     """A step's perturbed rows before the ORT call: the plan, theta rows [#FP x B, P], Z
-    [plan rows, P] (None when regenerated), the batch B and the pairs q."""
+    [plan rows, P] (None when regenerated), the batch B and the pairs q. The rows and Z are
+    host arrays, or CuPy arrays of the device step (:mod:`.device_step`)."""
 
     plan: PerturbationPlan
-    rows: np.ndarray
-    z_all: np.ndarray | None
+    rows: Any
+    z_all: Any
     batch: int
     pairs: int
 
@@ -50,13 +53,16 @@ class PreparedEstimate:
 class Objective:
     """The per-row objective: shortcut-resistant entropy E_SR of the logits, plus lambda x the
     sample-wise alignment l_SWA of the features to the source statistics (when the model has
-    them and ``lambda_swa`` > 0)."""
+    them and ``lambda_swa`` > 0), in ``dtype`` (float64 on the host; the device step's float32)
+    and the arrays' namespace (:mod:`.arrays`)."""
 
     def __init__(
-        self, config: AdaptConfig, source_stats: tuple[np.ndarray, np.ndarray] | None
+        self, config: AdaptConfig, source_stats: tuple[Any, Any] | None,
+        dtype: type = np.float64,
     ) -> None:
         self.config = config
         self.source_stats = source_stats
+        self.dtype = dtype
 
     def __call__(
         self,
@@ -69,9 +75,10 @@ class Objective:
         """Per-row objective [rows] of one half; ``moments`` = target (mean, E[h^2]) [F];
         ``center``: the output centre [K] (used when ``config.center``)."""
         cfg = self.config
-        ref_norm = np.linalg.norm(reference, axis=1) if cfg.shortcut_resistant else None
+        ref_norm = namespace(reference).linalg.norm(reference, axis=1) \
+            if cfg.shortcut_resistant else None
         scores = shortcut_resistant_scores(
-            logits.astype(np.float64), ref_norm, center if cfg.center else None, cfg.eps
+            logits.astype(self.dtype), ref_norm, center if cfg.center else None, cfg.eps
         )
         loss = softmax_entropy(scores)
         if cfg.lambda_swa > 0:
@@ -111,17 +118,21 @@ class ZerothOrderEstimator:
         session's forward counter counts the rows, and the batch's samples unless ``count`` is
         False: they were counted when served). :meth:`prepare`, the ORT call, :meth:`combine`."""
         prepared = self.prepare(x, state, seed, step_index, n_anchor)
-        logits, features = self.session.run(x, prepared.rows)
+        logits, features = self.run(x, prepared)
         if count:
             self.session.counter.samples += x.shape[0]
         return self.combine(prepared, logits, features, state, control)
 
+    def run(self, x: np.ndarray, prepared: PreparedEstimate) -> tuple[np.ndarray, np.ndarray]:
+        """The ORT call on the prepared rows: (logits, features). It holds no Python state, so
+        it may run on another thread."""
+        return self.session.run(x, prepared.rows)
+
     def prepare(
         self, x: np.ndarray, state: AdaptState, seed: int, step_index: int, n_anchor: int
     ) -> PreparedEstimate:
-        """The perturbed theta rows [#FP x B, P] of the step (and what :meth:`combine` needs);
-        the ORT call on them, ``session.run(x, rows)``, holds no Python state, so it may run
-        on another thread."""
+        """The perturbed theta rows [#FP x B, P] of the step (and what :meth:`combine` needs;
+        :meth:`run` is the ORT call on them)."""
         cfg, st = self.config, state
         batch = x.shape[0]
         d_bar = (

@@ -37,8 +37,11 @@ within ``RECENT_SAMPLES`` samples.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+from .arrays import namespace, to_host
 from .rates import window_factor, windowed_update
 
 DESCRIPTORS = ("mean", "log_variance", "log_roughness")
@@ -49,29 +52,32 @@ GRID = 32
 _EPS = 1e-6  # on variances, in the input's (normalised) units squared
 
 
-def describe(x: np.ndarray) -> np.ndarray:
-    """The descriptors [B, 3] (float64, in :data:`DESCRIPTORS` order) of images x [B, C, H, W],
-    from the rows of stride ``ceil(min(H, W) / GRID)`` (see the module's docstring). The sums
-    run in float32 (the means pairwise, the sums of squares as dot products): on the
-    Fashion-MNIST streams within 1.2e-5 of float64 sums, the same changes called
-    (``results/inputwatch/``), at a third of the time from batch 16 up."""
-    x = np.asarray(x, dtype=np.float32)
+def describe(x: Any) -> np.ndarray:
+    """The descriptors [B, 3] (float64 on the host, in :data:`DESCRIPTORS` order) of images x
+    [B, C, H, W] (a host array, or the CUDA session's resident copy: the sums run where the
+    images are), from the rows of stride ``ceil(min(H, W) / GRID)`` (see the module's
+    docstring). The sums run in float32 (the means pairwise, the sums of squares as dot
+    products): on the Fashion-MNIST streams within 1.2e-5 of float64 sums, the same changes
+    called (``results/inputwatch/``), at a third of the time from batch 16 up."""
+    xp = namespace(x)
+    x = xp.asarray(x, dtype=np.float32)
     batch, _, height, width = x.shape
     stride = max(1, -(-min(height, width) // GRID))
     rows, below = x[:, :, ::stride, :], x[:, :, 1::stride, :]  # kept rows, the rows under them
     grid = rows[:, :, :, ::stride].reshape(batch, -1)
-    mean = np.add.reduce(grid, axis=1) / np.float32(grid.shape[1])
+    mean = grid.sum(axis=1) / np.float32(grid.shape[1])
     variance = _mean_squares(grid - mean[:, None])
     across = (rows[..., 1:] - rows[..., :-1]).reshape(batch, -1)
     down = (below - rows[:, :, : below.shape[2]]).reshape(batch, -1)
     edges = _mean_squares(across) + _mean_squares(down)
-    return np.stack([mean.astype(np.float64), np.log(variance + _EPS),
-                     np.log((edges + _EPS) / (variance + _EPS))], axis=1)
+    return to_host(xp.stack([mean.astype(np.float64), xp.log(variance + _EPS),
+                             xp.log((edges + _EPS) / (variance + _EPS))], axis=1))
 
 
-def _mean_squares(values: np.ndarray) -> np.ndarray:
+def _mean_squares(values: Any) -> Any:
     """Each row's mean square [B] (float64) of float32 ``values`` [B, N], summed in float32."""
-    return (np.einsum("bi,bi->b", values, values) / np.float32(values.shape[1])).astype(
+    xp = namespace(values)
+    return (xp.einsum("bi,bi->b", values, values) / np.float32(values.shape[1])).astype(
         np.float64)
 
 
@@ -92,7 +98,7 @@ class InputChangeDetector:
         self.long_moments, self.long_weight = np.zeros(2 * width), 0.0
         self.recent_mean, self.recent_weight = np.zeros(width), 0.0
 
-    def observe(self, x: np.ndarray) -> bool:
+    def observe(self, x: Any) -> bool:
         """Add the images x [B, C, H, W] (stream order) and return whether the stream changed;
         on a change both windows restart (the next change is looked for among the samples
         that follow). ``last_z_squared`` keeps the batch's largest descriptor z^2 (None while

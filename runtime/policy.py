@@ -93,7 +93,7 @@ class AdaptationPass:
         no Python state but the forward counter (locked), so it may run on another thread while
         that one serves (when ``session.concurrent_calls``), holding the GIL only to enter
         ORT."""
-        return self._model.session.run(self.served.x, self.served.prepared.rows)
+        return self._model.estimator.run(self.served.x, self.served.prepared)
 
     def finish(self, outputs: tuple[np.ndarray, np.ndarray]) -> bool:
         """The estimate from :meth:`run`'s ``outputs`` and the update, then the guard watches
@@ -528,7 +528,8 @@ class Policy:
         if not watched:
             return False
         key = None if self.bank is None else self._segment_key()
-        if not self.inputs.observe(x):
+        resident = self.model.session.resident(x)  # described where the images are
+        if not self.inputs.observe(x if resident is None else resident):
             if self.bank is not None:
                 self._follow_segment(x.shape[0])
             return False

@@ -6,15 +6,18 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 from google.protobuf.message import DecodeError
 
+from .arrays import cupy_or_none, namespace
 from .iobinding import BoundRunner
 from .metadata import ModelFormatError, ModelMetadata
 from .split import split_files
@@ -149,8 +152,8 @@ class SessionSettings:
     (:func:`~eva0_edge.runtime.cli.session_settings`) or in code, and passed whole to
     :func:`~eva0_edge.runtime.methods.load_method`, the fleet's replicas and the testbed.
     ``provider``: "auto", "cpu" or "cuda"; ``threads``: ORT's intra-op threads (None: ORT's
-    default, one per core); ``low_memory``, ``io_binding``, ``split``, ``memory_budget_mb``:
-    see :class:`AdaptableSession`."""
+    default, one per core); ``low_memory``, ``io_binding``, ``split``, ``memory_budget_mb``,
+    ``device_step``: see :class:`AdaptableSession`."""
 
     provider: str = "auto"
     threads: int | None = None
@@ -158,6 +161,7 @@ class SessionSettings:
     io_binding: bool | None = None
     split: bool | None = None
     memory_budget_mb: float | None = None
+    device_step: bool | None = None
 
     def keywords(self) -> dict[str, object]:
         """The settings as :class:`AdaptableSession`'s keyword arguments."""
@@ -192,7 +196,14 @@ class AdaptableSession:
     call to call; on CUDA the inputs go to reused device buffers and split sessions' prefix
     activations stay on the device; default None: on CUDA only). The arrays :meth:`run`
     returns are then overwritten by the next call with the same row count: :meth:`owned`
-    copies what a caller hands on."""
+    copies what a caller hands on.
+
+    ``device_step``: keep a batch and a step's arrays on the CUDA device (CuPy, the ``[gpu]``
+    extra; :mod:`.device_step`): the input check is a reduction there, the checked batch stays
+    there for every call on it (:meth:`resident`), the engine's step draws, builds, runs and
+    reduces its rows there (:meth:`run_device`), and a served batch's theta crosses once, not
+    once per row. Default None: on a CUDA session through IOBinding of a ``theta`` file when
+    CuPy sees the device; True where that cannot be is refused."""
 
     def __init__(
         self,
@@ -205,6 +216,7 @@ class AdaptableSession:
         profile_prefix: str | None = None,
         split: bool | None = None,
         memory_budget_mb: float | None = None,
+        device_step: bool | None = None,
     ) -> None:
         one_file = low_memory or profile_prefix is not None
         if split and one_file:
@@ -258,6 +270,35 @@ class AdaptableSession:
         self._low = float(np.min((0.0 - mean) / std)) - RANGE_TOLERANCE
         self._high = float(np.max((1.0 - mean) / std)) + RANGE_TOLERANCE
         self.counter = ForwardCounter()
+        self.cupy = self._device_arrays(device_step)
+        self._resident: tuple[np.ndarray, Any] | None = None  # (checked batch, its copy)
+        self._theta_row: tuple[np.ndarray, Any] | None = None  # (served theta, its copy)
+
+    def _device_arrays(self, asked: bool | None) -> ModuleType | None:
+        """CuPy when the device step runs (see the class), else None."""
+        if asked is False:
+            return None
+        why = ("it needs the CUDA provider" if self.device != "cuda" else
+               "it needs IOBinding" if not self.io_binding else
+               "it adapts theta files only (this one adapts prompts)"
+               if self.metadata.is_prompt_model else None)
+        cupy = None if why else cupy_or_none()
+        if cupy is None and why is None:
+            why = "CuPy cannot use the CUDA device (install eva0-edge[gpu])"
+        if why and asked:
+            raise ValueError(f"device_step: {why}")
+        return cupy
+
+    @property
+    def device_step(self) -> bool:
+        """Whether batches and steps stay on the CUDA device (see the class)."""
+        return self.cupy is not None
+
+    def resident(self, x: np.ndarray) -> Any:
+        """The device copy of ``x`` when ``x`` is the batch :meth:`check_input` returned last
+        (the same object), else None."""
+        kept = self._resident
+        return kept[1] if kept is not None and kept[0] is x else None
 
     def check_input(self, x: np.ndarray) -> np.ndarray:
         """Validate a batch of normalised pixels; return it as contiguous float32.
@@ -282,7 +323,13 @@ class AdaptableSession:
         if x.shape[0] == 0:
             raise InputError("pixel_values is an empty batch")
         x = np.ascontiguousarray(x, dtype=np.float32)
-        low, high = float(x.min()), float(x.max())  # a NaN or inf anywhere shows in these two
+        device = None
+        if self.cupy is not None:  # one copy to the device, both reductions there
+            device = self.cupy.asarray(x)
+            low, high = (float(v) for v in self.cupy.stack([device.min(), device.max()]).get())
+        else:
+            low, high = float(x.min()), float(x.max())
+        # a NaN or inf anywhere shows in these two
         if not (np.isfinite(low) and np.isfinite(high)):
             raise InputError("pixel_values contains NaN or infinite values")
         if low < self._low or high > self._high:
@@ -291,6 +338,8 @@ class AdaptableSession:
                 f"normalisation yields [{self._low:.3g}, {self._high:.3g}]; were the images "
                 "scaled to [0, 1] and normalised with the metadata's mean/std?"
             )
+        if device is not None:
+            self._resident = (x, device)
         return x
 
     @property
@@ -305,8 +354,46 @@ class AdaptableSession:
 
     def run(self, x: np.ndarray, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """One ORT call. ``x`` must already be checked; theta rows must be a multiple of N."""
+        if self.cupy is not None and theta.strides[0] == 0 and theta.shape[0] == x.shape[0]:
+            return self._run_served(x, theta[0])
         logits, features = self._run_copies(x, theta, ["logits", "features"], None)
         return logits, features
+
+    def _run_served(self, x: np.ndarray, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The device step's served call: one ``theta`` [P] for every row, copied to the
+        device once (again only when it changes) and broadcast there; host outputs."""
+        cupy: Any = self.cupy
+        kept = self._theta_row
+        if kept is None or not np.array_equal(kept[0], theta):
+            kept = self._theta_row = (theta.copy(), cupy.asarray(theta, dtype=np.float32))
+        rows = cupy.ascontiguousarray(cupy.broadcast_to(kept[1], (x.shape[0], theta.size)))
+        logits, features = self.run_device(x, rows)
+        return logits.get(), features.get()
+
+    def run_device(self, x: np.ndarray, rows: Any) -> tuple[Any, Any]:
+        """One ORT call of the device step: the checked batch ``x`` [N, ...] (its resident
+        copy, or copied now) under the CuPy theta ``rows`` [r*N, P]; CuPy (logits [r*N, K],
+        features [r*N, F]), buffers the next call with as many rows overwrites."""
+        if self.cupy is None:
+            raise RuntimeError("run_device needs the device step (device_step)")
+        count, n = rows.shape[0], x.shape[0]
+        if count % n:
+            raise ValueError(f"theta has {count} rows, not a multiple of the batch {n}")
+        start = time.perf_counter()
+        pixels = self.resident(x)
+        if pixels is None:
+            pixels = self.cupy.asarray(x)
+        names = ["logits", "features"]
+        if self.parts is not None:
+            results = self.parts.run(pixels, count, names, lambda a, b: {"theta": rows[a:b]},
+                                     device_outputs=True)
+        elif self.binder is not None:
+            results = self.binder.run({"pixel_values": pixels, "theta": rows}, names, count,
+                                      device_outputs=True)
+        else:
+            raise RuntimeError("the device step runs through IOBinding")
+        self.counter.record(count, time.perf_counter() - start)
+        return results[0], results[1]
 
     def run_shifted(
         self, x: np.ndarray, theta: np.ndarray, head_shift: np.ndarray
@@ -419,12 +506,13 @@ class SplitSessions:
         return min(rows, max(n, fits))
 
     def run(
-        self, x: np.ndarray, rows: int, outputs: list[str],
-        adapted: Callable[[int, int], dict[str, np.ndarray]],
-    ) -> list[np.ndarray]:
+        self, x: Any, rows: int, outputs: list[str],
+        adapted: Callable[[int, int], Mapping[str, Any]], device_outputs: bool = False,
+    ) -> list:
         """The prefix once on ``x`` [N, ...], the suffix over theta rows [a, b) in chunks
         (``adapted(a, b)``: their feeds); ``outputs`` [rows, ...]: one call's arrays (bound:
-        its reused buffers), or several calls' written into fresh arrays."""
+        its reused buffers), or several calls' written into fresh arrays; CuPy arrays with
+        ``device_outputs`` (bound sessions only)."""
         n = x.shape[0]
         chunk = self.rows_per_call(n, rows)
         if self.binders is None:
@@ -437,16 +525,17 @@ class SplitSessions:
             values = prefix.run({"pixel_values": x}, self.boundary, n, on_device=self.boundary)
 
             def suffix(feeds: dict, count: int) -> list:
-                return bound.run(feeds, outputs, count)
+                return bound.run(feeds, outputs, count, device_outputs=device_outputs)
         hidden = dict(zip(self.boundary, values, strict=True))
         if chunk >= rows:
             return suffix({**hidden, **adapted(0, rows)}, rows)
-        results: list[np.ndarray] = []
+        results: list = []
         for a in range(0, rows, chunk):
             b = min(rows, a + chunk)
             part = suffix({**hidden, **adapted(a, b)}, b - a)
             if not results:
-                results = [np.empty((rows, *p.shape[1:]), dtype=p.dtype) for p in part]
+                results = [namespace(p).empty((rows, *p.shape[1:]), dtype=p.dtype)
+                           for p in part]
             for out, p in zip(results, part, strict=True):
                 out[a:b] = p
         return results

@@ -2,7 +2,10 @@
 
 Run where a GPU is: ``pytest tests/integration/test_cuda.py`` (``bench/gpu_check.sh``
 does, with the cost tables). The CUDA provider computes convolutions and matrix products with
-TF32 by default, hence the tolerances."""
+TF32 by default, hence the tolerances. The host step on CUDA (``device_step=False``) follows
+the CPU's numbers; the default device step (:mod:`~eva0_edge.runtime.device_step`) draws its
+own (Philox, float32 losses) and agrees statistically: seed means over a noisy stream
+(tests/stream_agreement.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +13,13 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+from eva0_edge.runtime.counter_rng import NORMAL, UNIFORM, device_rows, draw_rows
+from eva0_edge.runtime.inputwatch import describe
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.policy import Policy
-from eva0_edge.runtime.session import AdaptableSession
+from eva0_edge.runtime.session import AdaptableSession, InputError
 from tests.fixtures import SHIPPED_RESNET_GN, SHIPPED_VIT
+from tests.stream_agreement import seed_means
 
 pytestmark = pytest.mark.skipif(
     "CUDAExecutionProvider" not in ort.get_available_providers(),
@@ -45,15 +51,62 @@ def test_cuda_forward_matches_cpu(path, io_binding):
         np.testing.assert_allclose(got, want, atol=2e-3 * scale, rtol=0)
 
 
+def test_philox_kernel_equals_its_numpy_reference():
+    for stream in (NORMAL, UNIFORM):
+        for rows, width, first in ((64, 53_001, 0), (3, 7, 5)):
+            want = draw_rows(7, 2**40 + 3, stream, rows, width, first)
+            got = device_rows(7, 2**40 + 3, stream, rows, width, first).get()
+            np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_device_step_serves_and_describes_the_cpus_numbers(path):
+    """The resident batch: a served call (one theta broadcast on the device) gives the CPU's
+    logits, the input descriptors computed there the host's."""
+    metadata = read_metadata(path)
+    cpu = AdaptableSession(path, metadata, "cpu")
+    cuda = AdaptableSession(path, metadata, "cuda")
+    assert cuda.device_step
+    x = cuda.check_input(_batch(metadata, 8, 0))
+    assert cuda.resident(x) is not None and cuda.resident(x.copy()) is None
+    theta = np.broadcast_to(metadata.theta0.astype(np.float32), (8, metadata.num_params))
+    for want, got in zip(cpu.run(x, theta), cuda.run(x, theta), strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-3 * float(np.abs(want).max()), rtol=0)
+    np.testing.assert_allclose(describe(cuda.resident(x)), describe(x), rtol=1e-5, atol=1e-6)
+    with pytest.raises(InputError, match="range"):
+        cuda.check_input(np.full_like(x, 1e6))
+    poisoned = x.copy()
+    poisoned[3, 0, 5, 7] = np.nan
+    with pytest.raises(InputError, match="NaN"):
+        cuda.check_input(poisoned)
+    assert cuda.resident(x) is not None  # a refused batch leaves the last one resident
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_device_step_adapts_a_noisy_stream_as_the_cpu(path):
+    """Seed means over 2000 noisy test images (four seeds): ResNet-GN within 1 point and 15%
+    of drift, the ViT (twice the seed spread) within 2 points and 25%."""
+    seeds = (0, 1, 2, 3)
+    cpu = seed_means(lambda seed: Policy.load(path, "eva0", {}, seed=seed, provider="cpu"),
+                     seeds)
+    cuda = seed_means(lambda seed: Policy.load(path, "eva0", {}, seed=seed, provider="cuda"),
+                      seeds)
+    print(f"{path.stem}: CPU {cpu[0]:.2f} % drift {cpu[1]:.3f}; CUDA device step "
+          f"{cuda[0]:.2f} % drift {cuda[1]:.3f}")
+    points, share = (1.0, 0.15) if path == SHIPPED_RESNET_GN else (2.0, 0.25)
+    assert abs(cuda[0] - cpu[0]) <= points
+    assert abs(cuda[1] / cpu[1] - 1.0) <= share
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 @pytest.mark.parametrize("mode", [{}, {"split": False}], ids=["default", "one-call"])
-def test_cuda_adaptation_follows_cpu(path, mode):
-    """Ten EVA-0 steps: the same predictions up to rounding, theta within 5% of its drift.
-    The CUDA default: split sessions through IOBinding, the perturbations drawn ahead.
+def test_cuda_host_step_follows_cpu(path, mode):
+    """Ten EVA-0 steps of the host step on CUDA: the same predictions up to rounding, theta
+    within 5% of its drift. Split sessions through IOBinding, the perturbations drawn ahead.
     (Random images would trip the health guard, which then rolls both back: it is off.)"""
     config = {"guard": False}
     cpu = Policy.load(path, "eva0", config, seed=0, provider="cpu")
-    cuda = Policy.load(path, "eva0", config, seed=0, provider="cuda", **mode)
+    cuda = Policy.load(path, "eva0", config, seed=0, provider="cuda", device_step=False, **mode)
     assert cuda.session.io_binding and cuda.model.estimator.prefetch is not None
     assert (cuda.session.parts is not None) == ("split" not in mode)
     agree = total = 0
@@ -76,7 +129,8 @@ def test_cuda_budget_follows_cpu(path):
     the same batches adapted on as on the CPU (the forward counters agree), the same
     predictions up to rounding."""
     config = {"guard": False, "budget": 1.5}
-    models = [Policy.load(path, "eva0", config, seed=0, provider=p) for p in ("cpu", "cuda")]
+    models = [Policy.load(path, "eva0", config, seed=0, provider=p, device_step=False)
+              for p in ("cpu", "cuda")]
     for model in models:
         model.budget.dense = False  # a stream already learnt: adapt whenever the bucket is full
     agree = total = 0
@@ -92,3 +146,20 @@ def test_cuda_budget_follows_cpu(path):
     drift = np.linalg.norm(cpu.state.theta - cpu.metadata.theta0)
     assert drift > 0
     assert np.linalg.norm(cuda.state.theta - cpu.state.theta) <= 0.05 * drift
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_cuda_device_step_keeps_the_cpus_budget_schedule(path):
+    """The device step under a budget of 1.5: the same batches adapted on as the CPU's (its
+    input descriptors are computed on the device), so the forward counters agree."""
+    config = {"guard": False, "budget": 1.5}
+    models = [Policy.load(path, "eva0", config, seed=0, provider=p) for p in ("cpu", "cuda")]
+    assert models[1].session.device_step
+    for model in models:
+        model.budget.dense = False
+    for i in range(12):
+        for model in models:
+            model.step(_batch(models[0].metadata, 16, i))
+    cpu, cuda = models
+    assert cuda.session.counter.forwards == cpu.session.counter.forwards
+    assert 1.0 < cuda.session.counter.per_sample < 2.0

@@ -1,0 +1,74 @@
+"""The device step's algorithm on the CPU: :class:`DeviceEstimator` over NumPy arrays (the code
+CuPy runs on a GPU) against the float64 host estimator. Given the same perturbations both
+estimate the same coefficients and gradient up to float32 rounding, in every variant of the
+estimator; a session asked for the device step where it cannot run is refused by name. (With
+its own generator it agrees statistically: tests/integration/test_device_step_stream.py.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eva0_edge.runtime.device_step import DeviceEstimator
+from eva0_edge.runtime.policy import Policy
+from eva0_edge.runtime.session import AdaptableSession
+from tests.fixtures import SHIPPED_RESNET_GN, SHIPPED_VIT, uniform_batch
+
+
+def _relative(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+VARIANTS = [{}, {"two_sided": False}, {"sample_wise": False}, {"forwards": 4},
+            {"regenerate_z": True}, {"anchor_per_64": 16.0}]
+
+
+@pytest.mark.parametrize("path", [SHIPPED_RESNET_GN, SHIPPED_VIT], ids=lambda p: p.stem)
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: ",".join(v) or "default")
+def test_same_perturbations_give_the_host_estimate_in_float32(path, variant):
+    policy = Policy.load(path, "eva0", {"guard": False, **variant}, seed=0, provider="cpu")
+    engine = policy.model
+    x = engine.session.check_input(uniform_batch(8, seed=1))
+    for _ in range(2):  # moments and the coefficient scale from real steps
+        policy.step(x)
+    host = engine.estimator
+    device = DeviceEstimator(engine.session, engine.config, engine.source_stats, np)
+    device.perturbations = lambda plan: plan.draw()  # the host's stream, not Philox
+    state, n_anchor = engine.state, 2 if "anchor_per_64" in variant else 0
+    want = host.estimate(x, state, 0, state.step, n_anchor, control=True)
+    got = device.estimate(x, state, 0, state.step, n_anchor, control=True)
+    # float32 losses of ~1e3 (lambda_swa 500) differenced at mu 0.06: ~2e-3 of the
+    # coefficients at worst (one-sided ViT); SPSA's own noise is of the order of the estimate
+    assert _relative(got.coef, want.coef) < 5e-3
+    assert _relative(got.grad, want.grad) < 5e-3
+    np.testing.assert_allclose(got.prediction, want.prediction, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got.h_mean, want.h_mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got.h_sq, want.h_sq, rtol=1e-5, atol=1e-6)
+    assert got.control.clipped == want.control.clipped
+
+
+def test_anchor_rows_follow_the_anchor_and_the_rest_are_normal():
+    policy = Policy.load(SHIPPED_RESNET_GN, "eva0", {"guard": False}, seed=0, provider="cpu")
+    engine = policy.model
+    x = engine.session.check_input(uniform_batch(16, seed=1))
+    policy.step(x)
+    engine.state.anchor = engine.state.theta + 1.0  # a direction to follow
+    device = DeviceEstimator(engine.session, engine.config, engine.source_stats, np)
+    prepared = device.prepare(x, engine.state, 0, 5, 3)
+    z, plan = prepared.z_all, prepared.plan
+    assert len(plan.anchor_rows) == 3
+    for row in range(plan.rows):
+        if row in plan.anchor_rows:  # d_bar * U(0, 2): the anchor's direction, never against
+            assert (z[row] / plan.d_bar > 0).all()
+        else:
+            assert abs(float(z[row].std()) - 1.0) < 0.05
+    theta = engine.state.theta
+    mu = np.float32(engine.config.mu)
+    np.testing.assert_array_equal(prepared.rows[:16], theta + mu * z)
+    np.testing.assert_array_equal(prepared.rows[16:], theta - mu * z)
+
+
+def test_a_session_refuses_the_device_step_where_it_cannot_run():
+    assert not AdaptableSession(SHIPPED_VIT, provider="cpu").device_step
+    with pytest.raises(ValueError, match="device_step: it needs the CUDA provider"):
+        AdaptableSession(SHIPPED_VIT, provider="cpu", device_step=True)
