@@ -119,10 +119,14 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         raise missing_extra("bench", "bench", err) from err
     if bool(args.model) == bool(args.arch):
         raise ValueError("give exactly one of --model FILE or --arch TIMM_NAME")
+    if args.adapt and not args.arch:
+        raise ValueError("--adapt picks the layers of an --arch export (a --model file has its "
+                         "own)")
     torch_spec = {"checkpoint": args.torch_checkpoint}
     model = args.model
     if args.arch:
-        model = str(export_random(args.arch, cache_dir() / "bench-models", args.seed))
+        model = str(export_random(args.arch, cache_dir() / "bench-models", args.seed,
+                                  adapt=args.adapt))
         torch_spec = {"arch": args.arch, "seed": args.seed}
     if args.methods is None:
         methods, skipped = fitting_methods(model, args.arch, args.seed, args.prompt_model,
@@ -208,6 +212,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-model", help="prompt model for foa / foa-dagger / eva0-clubs "
                    "(default: exported from --arch, or the shipped model's prompt variant)")
     p.add_argument("--seed", type=int, default=0, help="weight seed for --arch (default 0)")
+    p.add_argument("--adapt", help="the --arch export's adapted layers, as `export --adapt` "
+                   "takes them (default: the exporter's)")
     p.add_argument("--provider", default="cpu", choices=["auto", "cpu", "cuda"],
                    help="ORT provider of the runtime methods (default cpu; tent stays in torch "
                    "on the CPU)")

@@ -17,6 +17,8 @@ Methods (all on the same batch of random normalised pixels):
   ORT's IOBinding with reused output buffers (``io_binding``);
 * ``eva0-split`` (any runtime method + ``-split``): split sessions required (an error where the
   file cannot be split);
+* ``eva0-hoststep`` (any runtime method + ``-hoststep``): on CUDA, the step's arrays on the host
+  (the CPU path's numbers) instead of the default device step (:mod:`~.runtime.device_step`);
 * ``foa`` / ``foa-dagger`` / ``eva0-clubs``: the prompt methods' full steps (FOA: CMA-ES ask,
   one ORT call over 28B rows, fitness, tell, activation shift) on the prompt variant of the same
   weights (``--arch`` exports it; ``name@FP`` sets #FP);
@@ -66,7 +68,7 @@ from .testbed.workload import export_random, random_batch
 # method suffix -> the session setting it fixes
 SESSION_MODES: dict[str, tuple[str, bool]] = {
     "-lowmem": ("low_memory", True), "-iob": ("io_binding", True), "-split": ("split", True),
-    "-onecall": ("split", False),
+    "-onecall": ("split", False), "-hoststep": ("device_step", False),
 }
 COST_METHODS = (*RUNTIME_METHODS, *(f"eva0{suffix}" for suffix in SESSION_MODES), "tent")
 PROMPT_TOKENS = 3
@@ -102,14 +104,15 @@ def session_label(session: dict[str, bool] | None) -> str:
         return "-"
     kind = ("low memory" if session["low_memory"] else
             "split" if session["split"] else "one call")
-    return kind + (" + IOBinding" if session["io_binding"] else "")
+    return kind + (" + IOBinding" if session["io_binding"] else "") + \
+        (" + device step" if session.get("device_step") else "")
 
 
 def resolved_session(session: AdaptableSession) -> dict[str, bool]:
     """What ``session`` runs, as resolved from its settings: split sessions or one file,
-    IOBinding, low memory."""
+    IOBinding, low memory, the device step."""
     return {"split": session.parts is not None, "io_binding": bool(session.io_binding),
-            "low_memory": bool(session.low_memory)}
+            "low_memory": bool(session.low_memory), "device_step": session.device_step}
 
 
 def check_cost_method(name: str) -> None:
@@ -212,6 +215,7 @@ class CostRow:
     gpu_ratio_to_noadapt: float | None = None
     gpu_source: str | None = None
     outside_ort_share: float | None = None
+    served_ms_per_sample: float | None = None
     session: dict[str, bool] | None = None
     samples: list[float] = field(default_factory=list)
 
@@ -246,11 +250,15 @@ def time_methods(
     ort_before = {n: s.ort_seconds() for n, s in steps.items() if s.ort_seconds}
     forwards_before = {n: s.forwards() for n, s in steps.items() if s.forwards}
     samples: dict[str, list[float]] = {name: [] for name in steps}
+    served: dict[str, list[float]] = {name: [] for name in steps}  # one-forward batches
     for _ in range(repeats):
         for name, step in steps.items():
+            forwards = step.forwards() if step.forwards else 0
             start = time.perf_counter()
             step.run()
             samples[name].append(time.perf_counter() - start)
+            if step.forwards and step.forwards() - forwards == batch:
+                served[name].append(samples[name][-1])
             if tick:
                 tick()
     rows = []
@@ -264,6 +272,8 @@ def time_methods(
         if step.ort_seconds and m != "noadapt":
             spent = step.ort_seconds() - ort_before[name]
             row.outside_ort_share = max(0.0, 1.0 - spent / float(np.sum(seconds)))
+        if budget is not None and served[name]:
+            row.served_ms_per_sample = 1000.0 * float(np.mean(served[name])) / batch
         rows.append(row)
     return rows
 
@@ -460,7 +470,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", "session: the ORT session each row ran, as resolved; an adapting method's "
               "plain name runs what `adapt` and `serve` run by default (split sessions unless "
               "the file cannot be split; IOBinding on CUDA), NoAdapt one call (plain "
-              "inference), `-onecall` / `-lowmem` / `-split` / `-iob` fix one setting."]
+              "inference), `-onecall` / `-lowmem` / `-split` / `-iob` / `-hoststep` (the CUDA "
+              "step on the host) fix one setting."]
     if gpu:
         sources = sorted({r["gpu_source"] for r in report["rows"] if r.get("gpu_source")})
         lines += ["", f"GPU memory read by NVML ({', '.join(sources)}; see bench/gpumemory.py)."]

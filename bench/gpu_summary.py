@@ -4,11 +4,13 @@
 
 Reads ``<dir>/bench-<arch>-cuda/cost.json`` (ms per sample of NoAdapt and, as multiples of it,
 EVA-0 and ZOA in the default CUDA mode (``-split``: split sessions through IOBinding, rows per
-call from the memory budget) and as one call over all rows) and
-``<dir>/memory-<arch>-cuda/cost.json`` (GPU memory per process from NVML at one batch size)
-and ``<dir>/budget-<arch>-cuda/cost.json`` (noadapt-shift, default-mode EVA-0 at full rate and
-at each compute budget: time as multiples of NoAdapt's, forwards per sample as counted).
-Prints the tables it has reports for and writes ``<dir>/gpu.md`` and ``gpu.json``.
+call from the memory budget, the device step), EVA-0's step on the host (``-hoststep``) and as
+one call over all rows), ``<dir>/layers-<arch>-cuda/cost.json`` (the same at the recommended
+layer sets), ``<dir>/memory-<arch>-cuda/cost.json`` (GPU memory per process from NVML at one
+batch size) and ``<dir>/budget-<arch>-cuda/cost.json`` (noadapt-shift, default-mode EVA-0 at
+full rate and at each compute budget: time as multiples of NoAdapt's, forwards per sample as
+counted, and a served batch's time under the first budget). Prints the tables it has reports
+for and writes ``<dir>/gpu.md`` and ``gpu.json``.
 """
 
 from __future__ import annotations
@@ -20,21 +22,24 @@ from typing import Any
 
 from .testbed.output import write_outputs
 
-COST_COLUMNS = (("eva0-split", "EVA-0 default"), ("eva0-onecall", "EVA-0 one call"),
-                ("zoa-split", "ZOA default"), ("zoa-onecall", "ZOA one call"))
-MEMORY_COLUMNS = (("eva0-split", "EVA-0 default"), ("eva0-onecall", "EVA-0 one call"),
-                  ("eva0-lowmem", "EVA-0 low-memory"), ("zoa-split", "ZOA default"))
+COST_COLUMNS = (("eva0-split", "EVA-0 default"), ("eva0-split-hoststep", "EVA-0 host step"),
+                ("eva0-onecall", "EVA-0 one call"), ("zoa-split", "ZOA default"),
+                ("zoa-onecall", "ZOA one call"))
+MEMORY_COLUMNS = (("eva0-split", "EVA-0 default"), ("eva0-split-hoststep", "EVA-0 host step"),
+                  ("eva0-onecall", "EVA-0 one call"), ("eva0-lowmem", "EVA-0 low-memory"),
+                  ("zoa-split", "ZOA default"))
 
 
 def _reports(folder: Path, kind: str) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted(folder.glob(f"{kind}-*-cuda/cost.json"))]
 
 
-def cost_rows(folder: Path) -> list[dict[str, Any]]:
-    """One row per (architecture, batch): NoAdapt's ms per sample, each method's multiple of it
-    and the default EVA-0 step's share outside ORT."""
+def cost_rows(folder: Path, kind: str = "bench") -> list[dict[str, Any]]:
+    """One row per (architecture, batch) of the ``kind`` reports (``bench``: the exporter's
+    layer sets, ``layers``: the recommended ones): NoAdapt's ms per sample, each method's
+    multiple of it and the default EVA-0 step's share outside ORT."""
     rows = []
-    for report in _reports(folder, "bench"):
+    for report in _reports(folder, kind):
         by_key = {(r["method"], r["batch"]): r for r in report["rows"]}
         for batch in sorted({r["batch"] for r in report["rows"]}):
             row: dict[str, Any] = {"model": report["architecture"], "batch_size": batch,
@@ -85,6 +90,9 @@ def budget_rows(folder: Path) -> list[dict[str, Any]]:
                 row[method] = None if found is None else {
                     "ratio": found["ratio_to_noadapt"],
                     "forwards_per_sample": found["forwards_per_sample"]}
+            first = by_key.get((columns[2], batch)) if len(columns) > 2 else None
+            served = first and first.get("served_ms_per_sample")
+            row["served_ratio"] = served and served / row["noadapt_ms"]
             rows.append(row)
     return rows
 
@@ -93,14 +101,16 @@ def _budget_markdown(rows: list[dict[str, Any]]) -> list[str]:
     columns = rows[0]["columns"]
     names = ["noadapt-shift", "EVA-0 default",
              *(c.replace("eva0-split budget", "EVA-0 budget") for c in columns[2:])]
-    lines = [f"| model | B | NoAdapt ms / sample | {' | '.join(names)} |",
-             "|---" * (len(names) + 3) + "|"]
+    served = columns[2].replace("eva0-split budget", "a served batch at") if \
+        len(columns) > 2 else "a served batch"
+    lines = [f"| model | B | NoAdapt ms / sample | {' | '.join(names)} | {served} |",
+             "|---" * (len(names) + 4) + "|"]
     for r in rows:
         cells = ["-" if r.get(c) is None else
                  f"{_times(r[c]['ratio'])} ({r[c]['forwards_per_sample']:.2f} fwd)"
                  for c in columns]
         lines.append(f"| {r['model']} | {r['batch_size']} | {r['noadapt_ms']:.3f} | "
-                     f"{' | '.join(cells)} |")
+                     f"{' | '.join(cells)} | {_times(r.get('served_ratio'))} |")
     return lines
 
 
@@ -109,10 +119,12 @@ def _times(ratio: float | None) -> str:
 
 
 def markdown(costs: list[dict[str, Any]], memory: list[dict[str, Any]],
-             budgets: list[dict[str, Any]] = ()) -> str:
-    """The cost, memory and budget tables (those with rows), one blank line apart."""
+             budgets: list[dict[str, Any]] = (), layers: list[dict[str, Any]] = ()) -> str:
+    """The cost, memory, budget and recommended-layers tables (those with rows), one blank
+    line apart."""
     tables = [t for t in (_cost_markdown(costs), _memory_markdown(memory),
-                          _budget_markdown(list(budgets)) if budgets else []) if t]
+                          _budget_markdown(list(budgets)) if budgets else [],
+                          _cost_markdown(list(layers))) if t]
     return "\n\n".join("\n".join(t) for t in tables)
 
 
@@ -149,14 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", type=Path, help="gpu_check.sh's results folder")
     args = parser.parse_args(argv)
     costs, memory = cost_rows(args.results), memory_rows(args.results)
-    budgets = budget_rows(args.results)
-    if not costs and not memory and not budgets:
-        parser.error(f"no bench-*-cuda/cost.json, memory-*-cuda/cost.json or "
-                     f"budget-*-cuda/cost.json under {args.results}")
-    table = markdown(costs, memory, budgets)
+    budgets, layers = budget_rows(args.results), cost_rows(args.results, "layers")
+    if not costs and not memory and not budgets and not layers:
+        parser.error(f"no bench-*-cuda/cost.json, memory-*-cuda/cost.json, "
+                     f"budget-*-cuda/cost.json or layers-*-cuda/cost.json under {args.results}")
+    table = markdown(costs, memory, budgets, layers)
     print(table)
-    write_outputs(args.results, "gpu", {"costs": costs, "memory": memory, "budgets": budgets},
-                  table + "\n")
+    write_outputs(args.results, "gpu", {"costs": costs, "memory": memory, "budgets": budgets,
+                                        "layers": layers}, table + "\n")
     return 0
 
 

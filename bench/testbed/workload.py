@@ -21,14 +21,18 @@ def random_batch(metadata, batch: int, seed: int = 0) -> np.ndarray:
     return (x - mean) / std
 
 
-def export_random(arch: str, out_dir: Path, seed: int = 0, prompts: int = 0) -> Path:
+def export_random(
+    arch: str, out_dir: Path, seed: int = 0, prompts: int = 0, adapt: str | None = None
+) -> Path:
     """Export timm ``arch`` with random weights (seeded) into ``out_dir`` once; reuse after.
+    ``adapt``: the adapted layers (``export --adapt``; default the exporter's).
 
     ``prompts`` > 0: the black-box prompt variant of the same weights. Either file gets source
     statistics from 64 random images (the numbers only need the real code path, not meaning),
     so the activation shift and the alignment term run as on a calibrated model; a cached
     file without them is exported again."""
-    path = out_dir / f"{arch}-seed{seed}{f'-p{prompts}' if prompts else ''}.onnx"
+    layers = f"-a{adapt.replace(',', '_').replace('*', 'x')}" if adapt else ""
+    path = out_dir / f"{arch}-seed{seed}{f'-p{prompts}' if prompts else ''}{layers}.onnx"
     if not (path.is_file() and read_metadata(path).has_source_stats):
         import torch
 
@@ -37,7 +41,7 @@ def export_random(arch: str, out_dir: Path, seed: int = 0, prompts: int = 0) -> 
         out_dir.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(path.stem + f".{os.getpid()}.partial.onnx")
         torch.manual_seed(seed)
-        metadata = export_model(arch, partial, prompts=prompts)
+        metadata = export_model(arch, partial, prompts=prompts, adapt=adapt)
         size = metadata.preprocessing.input_size
         images = np.random.default_rng(seed).integers(
             0, 256, (64, size[1], size[2], size[0]), dtype=np.uint8

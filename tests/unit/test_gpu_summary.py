@@ -34,9 +34,9 @@ def test_tables_take_each_method_at_its_batch(tmp_path, capsys):
         _row("eva0-split", 32, 0.6, 1.5, load=780, peak=1100, gpu_ratio=1.1)])
     assert main([str(tmp_path)]) == 0
     table = capsys.readouterr().out
-    assert "| resnet50_gn | 8 | 0.500 | 3.00x | 2.00x | - | - | 25% |" in table
-    assert "| resnet50_gn | 32 | 0.400 | 1.50x | - | - | - | 30% |" in table
-    assert "| resnet50_gn | 32 | 700 / 1000 | 1100 (1.10x) | - | - | - |" in table
+    assert "| resnet50_gn | 8 | 0.500 | 3.00x | - | 2.00x | - | - | 25% |" in table
+    assert "| resnet50_gn | 32 | 0.400 | 1.50x | - | - | - | - | 30% |" in table
+    assert "| resnet50_gn | 32 | 700 / 1000 | 1100 (1.10x) | - | - | - | - |" in table
     assert (tmp_path / "gpu.md").read_text() == table
     assert json.loads((tmp_path / "gpu.json").read_text())["memory"][0]["eva0-split"] == {
         "peak_mb": 1100, "ratio": 1.1}
@@ -49,11 +49,12 @@ def test_the_budget_table_gives_time_and_counted_forwards(tmp_path, capsys):
             _row("eva0-split", 32, 1.8, 3.0), _row("eva0-split budget 1.25", 32, 1.1, 1.84)]
     for row, forwards in zip(rows, (1.0, 1.0, 2.0, 1.25), strict=True):
         row["forwards_per_sample"] = forwards
+    rows[-1]["served_ms_per_sample"] = 0.66
     path.write_text(json.dumps({"architecture": "vit_base_patch16_224", "budgets": [1.25],
                                 "rows": rows}))
     assert main([str(tmp_path)]) == 0
     assert ("| vit_base_patch16_224 | 32 | 0.600 | 1.05x (1.00 fwd) | 3.00x (2.00 fwd) | "
-            "1.84x (1.25 fwd) |") in capsys.readouterr().out
+            "1.84x (1.25 fwd) | 1.10x |") in capsys.readouterr().out
     assert "EVA-0 budget 1.25" in (tmp_path / "gpu.md").read_text()
 
 
