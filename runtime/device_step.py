@@ -1,25 +1,30 @@
-"""The zeroth-order estimate with its arrays on the CUDA device (CuPy): the device step.
+"""The zeroth-order estimate with its large arrays on the CUDA device (CuPy): the device step.
 
-The same estimate as :class:`~.estimator.ZerothOrderEstimator` (Algorithm 1, lines 3-8), with
-what grows with the batch kept where ORT computes it:
+The estimate of :class:`~.estimator.ZerothOrderEstimator` (Algorithm 1, lines 3-8) with what
+grows with the batch times the parameters kept where ORT computes:
 
-* the perturbations drawn there by a counter-based generator (:mod:`.counter_rng`: Philox keyed
-  by seed, counted by step and row; the anchor-row choice and the anchor direction [P] come
-  from the host, as on the CPU);
-* the 2qB theta rows built there, from theta [P] copied once, and run by ORT from there
+* the perturbations Z [qB, P] drawn there by a counter-based generator (:mod:`.counter_rng`:
+  Philox keyed by seed, counted by step and row; the anchor-row choice and the anchor direction
+  [P] come from the host, as on the CPU);
+* the 2qB theta rows built there from theta [P], copied once, and run by ORT from there
   (:meth:`~.session.AdaptableSession.run_device`, the batch resident since its check);
-* the losses, coefficients and gradient computed there in float32.
+* the gradient g = Z^T c / qB computed there (float32) and copied back as [P].
 
-What comes back: the prediction [B, K], the features' side means and squares [B, F] the
-windowed moments need, the qB coefficients (clipped on the host at their running scale, then
-sent back) and the gradient [P]. The update (:func:`~.update.apply_update`), the guard, the
-budget and the state stay on the host: the state file, the domain bank and the guard's
-roll-backs read theta there, and a [P] vector each way costs microseconds.
+The ORT call's outputs, [2qB, K] logits and [2qB, F] features, come back to the host, where the
+objective, the coefficients and their clipping run in float64 as on the CPU (the same code).
+A first version computed them in float32 on the device: about a hundred small kernels a step,
+and on an H200 its step cost 2.96x NoAdapt at batch 1 against the host step's 2.28x
+(ResNet50-GN, ``results/h200-2026-12-04/first/``); at mu = 0.06 with lambda_swa = 500 its
+differences lost up to 2e-3 of the coefficients to float32 cancellation. The copy back is
+0.8 MB at batch 32. The update
+(:func:`~.update.apply_update`), the guard, the budget and the state stay on the host too: the
+state file, the domain bank and the guard's roll-backs read theta there, and a [P] vector each
+way costs microseconds.
 
-The numbers are not the CPU path's: another generator, float32 losses, the GPU's sums. The
-agreement is statistical (``tests/integration/test_cuda.py``; on the CPU,
-``tests/component/test_device_step.py`` runs this class over NumPy arrays against the float64
-estimator). Written once for both namespaces: ``xp`` is CuPy on the device, NumPy for that test.
+The numbers are not the CPU path's: another generator and the GPU's sums. The agreement is
+statistical (``tests/integration/test_cuda.py``); on the CPU, this class over NumPy arrays
+(``xp`` = NumPy: the reference generator, host rows) checks the algorithm against the host
+estimator (``tests/component/test_device_step.py``).
 """
 
 from __future__ import annotations
@@ -29,33 +34,26 @@ from typing import Any
 
 import numpy as np
 
+from .arrays import to_host
 from .config import AdaptConfig
 from .counter_rng import NORMAL, UNIFORM, device_rows, draw_rows
-from .estimator import GradientEstimate, Objective, PreparedEstimate
+from .estimator import GradientEstimate, Objective, PreparedEstimate, ZerothOrderEstimator
 from .perturbation import PerturbationPlan, anchor_direction
 from .session import AdaptableSession
 from .state import AdaptState
-from .stepcontrol import clip_coefficients
 
 
-class DeviceEstimator:
-    """Estimates the gradient at theta from one ORT call over #FP x B rows held in ``xp``
-    (CuPy: the session's device; NumPy: the same algorithm on the host, for tests). The
-    interface of :class:`~.estimator.ZerothOrderEstimator`: :meth:`estimate`, or
-    :meth:`prepare`, :meth:`run` (the ORT call, no Python state), :meth:`combine`."""
-
-    prefetch = None  # the generator is counter-based: nothing to draw ahead
+class DeviceEstimator(ZerothOrderEstimator):
+    """:class:`~.estimator.ZerothOrderEstimator` with Z, the theta rows and the gradient held
+    in ``xp`` (CuPy: the session's device; NumPy: the same algorithm on the host, for tests).
+    Nothing is drawn ahead: the generator is counter-based."""
 
     def __init__(
-        self, session: AdaptableSession, config: AdaptConfig,
-        source_stats: tuple[np.ndarray, np.ndarray] | None, xp: ModuleType,
+        self, session: AdaptableSession, config: AdaptConfig, objective: Objective,
+        xp: ModuleType,
     ) -> None:
-        self.session = session
-        self.config = config
+        super().__init__(session, config, objective, prefetch=False)
         self.xp = xp
-        device_stats = None if source_stats is None else \
-            (self._array(source_stats[0]), self._array(source_stats[1]))
-        self.objective = Objective(config, device_stats, dtype=np.float32)
 
     def _array(self, values: np.ndarray) -> Any:
         """A host array as a float32 array of ``xp``."""
@@ -67,19 +65,8 @@ class DeviceEstimator:
             return draw_rows(seed, step, stream, rows, width, first_row)
         return device_rows(seed, step, stream, rows, width, first_row)
 
-    def estimate(
-        self, x: np.ndarray, state: AdaptState, seed: int, step_index: int, n_anchor: int,
-        control: bool, count: bool = True,
-    ) -> GradientEstimate:
-        """As :meth:`~.estimator.ZerothOrderEstimator.estimate`."""
-        prepared = self.prepare(x, state, seed, step_index, n_anchor)
-        logits, features = self.run(x, prepared)
-        if count:
-            self.session.counter.samples += x.shape[0]
-        return self.combine(prepared, logits, features, state, control)
-
     def run(self, x: np.ndarray, prepared: PreparedEstimate) -> tuple[Any, Any]:
-        """The ORT call on the prepared rows: (logits, features) in ``xp``."""
+        """The ORT call on the prepared rows: (logits, features), in ``xp``."""
         if self.xp is np:
             return self.session.run(x, prepared.rows)
         return self.session.run_device(x, prepared.rows)
@@ -127,52 +114,18 @@ class DeviceEstimator:
         control: bool,
     ) -> GradientEstimate:
         """The estimate from the ORT call's logits [#FP x B, K] and features [#FP x B, F] in
-        ``xp`` (``state`` is only read; ``control``: clip the coefficients)."""
-        cfg, st, xp = self.config, state, self.xp
-        batch, pairs = prepared.batch, prepared.pairs
-        half = pairs * batch
-        lower, upper = slice(0, half), slice(half, 2 * half)
-        if cfg.two_sided:
-            prediction = logits.reshape(2 * pairs, batch, -1).mean(axis=0)
-            h_all = features.reshape(2 * pairs, batch, -1)
-            h_mean, h_sq = h_all.mean(axis=0), (h_all * h_all).mean(axis=0)
-        else:
-            prediction = logits[lower].copy()
-            h_mean = features[lower].copy()
-            h_sq = h_mean * h_mean
-        if st.moments_ready:
-            moments = (self._array(st.mean), self._array(st.second_moment))
-        else:
-            moments = (h_mean.mean(axis=0), h_sq.mean(axis=0))
-        reference = xp.tile(prediction, (pairs, 1))
-        center = self._array(st.center)
+        ``xp``: copied to the host for the objective (float64), the gradient in ``xp``."""
+        return super().combine(prepared, to_host(logits), to_host(features), state, control)
 
-        def loss(rows: slice) -> Any:
-            return self.objective(logits[rows], features[rows], reference, moments, center)
-
-        if cfg.two_sided:
-            coef_rows = (loss(lower) - loss(upper)) / np.float32(2.0 * cfg.mu)
-        else:
-            coef_rows = (loss(upper) - loss(lower)) / np.float32(cfg.mu)
-        host = [np.asarray(a) if xp is np else a.get()
-                for a in (coef_rows, prediction, h_mean, h_sq)]
-        coef = host[0].astype(np.float64)
-        clipped = None
-        if control and np.isfinite(coef).all():
-            clipped = clip_coefficients(
-                coef, st.coef_scale, st.coef_weight, cfg.coef_clip, cfg.coef_window)
-            coef = clipped.coef
-        grad = self._gradient(prepared, coef)
-        return GradientEstimate(host[1], grad, coef, host[2].astype(np.float64),
-                                host[3].astype(np.float64), clipped)
-
-    def _gradient(self, prepared: PreparedEstimate, coef: np.ndarray) -> np.ndarray:
-        """g = (1/(qB)) sum coef_ji z_ji ([P] float64 on the host), the sum in float32 in
-        ``xp`` (a shared z: the pair's mean coefficient times its z)."""
-        z = prepared.z_all if prepared.z_all is not None else self.perturbations(prepared.plan)
-        if not self.config.sample_wise:
-            weights = coef.reshape(prepared.pairs, -1).mean(axis=1) / prepared.pairs
-        else:
+    def _gradient(
+        self, plan: PerturbationPlan, coef: np.ndarray, z_all: Any, pairs: int
+    ) -> np.ndarray:
+        """g = (1/(qB)) sum_(j,i) coef_ji z_ji ([P] float64 on the host), the sum in float32
+        in ``xp`` (a shared z: the pair's mean coefficient times its z); Z drawn again when it
+        was not kept."""
+        z = z_all if z_all is not None else self.perturbations(plan)
+        if self.config.sample_wise:
             weights = coef / coef.shape[0]
-        grad = self._array(weights) @ z
-        return (np.asarray(grad) if self.xp is np else grad.get()).astype(np.float64)
+        else:
+            weights = coef.reshape(pairs, -1).mean(axis=1) / pairs
+        return to_host(self._array(weights) @ z).astype(np.float64)

@@ -120,15 +120,12 @@ class Engine:
             if self.metadata.has_source_stats
             else None
         )
-        self.estimator: ZerothOrderEstimator | DeviceEstimator
-        if session.cupy is not None:
-            self.estimator = DeviceEstimator(session, self.config, self.source_stats,
-                                             session.cupy)
-        else:
-            self.estimator = ZerothOrderEstimator(
-                session, self.config, Objective(self.config, self.source_stats),
-                prefetch=session.device == "cuda" if prefetch is None else prefetch,
-            )
+        objective = Objective(self.config, self.source_stats)
+        self.estimator = ZerothOrderEstimator(
+            session, self.config, objective,
+            prefetch=session.device == "cuda" if prefetch is None else prefetch,
+        ) if session.cupy is None else DeviceEstimator(session, self.config, objective,
+                                                       session.cupy)
         asked = {**fp, **(config or {})}  # the shift the user asked for, which must load
         self.shift = configured_shift(session, self.config, self.method, (
             "activation_shift" if self.config.activation_shift > 0 else "free_shift") in asked)

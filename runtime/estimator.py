@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import namespace
 from .config import AdaptConfig
 from .losses import sample_wise_alignment, shortcut_resistant_scores, softmax_entropy
 from .perturbation import NormalPrefetch, PerturbationPlan, anchor_direction
@@ -53,16 +52,13 @@ class PreparedEstimate:
 class Objective:
     """The per-row objective: shortcut-resistant entropy E_SR of the logits, plus lambda x the
     sample-wise alignment l_SWA of the features to the source statistics (when the model has
-    them and ``lambda_swa`` > 0), in ``dtype`` (float64 on the host; the device step's float32)
-    and the arrays' namespace (:mod:`.arrays`)."""
+    them and ``lambda_swa`` > 0)."""
 
     def __init__(
-        self, config: AdaptConfig, source_stats: tuple[Any, Any] | None,
-        dtype: type = np.float64,
+        self, config: AdaptConfig, source_stats: tuple[np.ndarray, np.ndarray] | None
     ) -> None:
         self.config = config
         self.source_stats = source_stats
-        self.dtype = dtype
 
     def __call__(
         self,
@@ -75,10 +71,9 @@ class Objective:
         """Per-row objective [rows] of one half; ``moments`` = target (mean, E[h^2]) [F];
         ``center``: the output centre [K] (used when ``config.center``)."""
         cfg = self.config
-        ref_norm = namespace(reference).linalg.norm(reference, axis=1) \
-            if cfg.shortcut_resistant else None
+        ref_norm = np.linalg.norm(reference, axis=1) if cfg.shortcut_resistant else None
         scores = shortcut_resistant_scores(
-            logits.astype(self.dtype), ref_norm, center if cfg.center else None, cfg.eps
+            logits.astype(np.float64), ref_norm, center if cfg.center else None, cfg.eps
         )
         loss = softmax_entropy(scores)
         if cfg.lambda_swa > 0:

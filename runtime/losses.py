@@ -1,21 +1,17 @@
-"""Per-sample test-time objectives (no autograd): entropy, the shortcut-resistant entropy E_SR
-and the sample-wise feature alignment l_SWA of the paper. Each runs in the namespace of its
-input (NumPy on the host, CuPy on a CUDA device: :mod:`.arrays`) and in its dtype."""
+"""Per-sample test-time objectives in NumPy (no autograd): entropy, the shortcut-resistant
+entropy E_SR and the sample-wise feature alignment l_SWA of the paper."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from .arrays import namespace
-
 
 def softmax_entropy(scores: np.ndarray) -> np.ndarray:
     """Entropy (nats) of softmax(scores) per row. scores: [B, K] -> [B]."""
-    xp = namespace(scores)
     shifted = scores - scores.max(axis=1, keepdims=True)
-    log_z = xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
+    log_z = np.log(np.exp(shifted).sum(axis=1, keepdims=True))
     log_p = shifted - log_z
-    return -(xp.exp(log_p) * log_p).sum(axis=1)
+    return -(np.exp(log_p) * log_p).sum(axis=1)
 
 
 def shortcut_resistant_scores(
@@ -31,7 +27,7 @@ def shortcut_resistant_scores(
     """
     scores = logits
     if reference_norm is not None:
-        norms = namespace(logits).linalg.norm(logits, axis=1)
+        norms = np.linalg.norm(logits, axis=1)
         scores = logits * (reference_norm / (norms + eps))[:, None]
     if center is not None:
         scores = scores - center[None, :]
@@ -56,8 +52,7 @@ def sample_wise_alignment(
     features: [B, F]; mean, second_moment, source_mean, source_std: [F]. Returns [B].
     rho is the weight of the history (DESIGN section 4).
     """
-    xp = namespace(features)
     m_hat = rho * mean[None, :] + (1.0 - rho) * features
     q_hat = rho * second_moment[None, :] + (1.0 - rho) * features * features
-    sigma_hat = xp.sqrt(xp.maximum(q_hat - m_hat * m_hat, 0.0) + eps)
+    sigma_hat = np.sqrt(np.maximum(q_hat - m_hat * m_hat, 0.0) + eps)
     return ((m_hat - source_mean) ** 2).sum(axis=1) + ((sigma_hat - source_std) ** 2).sum(axis=1)

@@ -12,11 +12,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from eva0_edge.bench.testbed.fashion_mnist import load_fashion_mnist
-from eva0_edge.bench.testbed.hostile import hostile_images
 from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.preprocess import preprocess_uint8
 
-STREAM = "gauss-0.2"
+NOISE = 0.2  # Gaussian noise sigma, in [0, 1] pixel units
 IMAGES = 2000
 BATCH = 16
 
@@ -24,7 +23,8 @@ BATCH = 16
 def noisy_stream(count: int = IMAGES) -> tuple[np.ndarray, np.ndarray]:
     """The first ``count`` test images with Gaussian noise (uint8 [N, 32, 32, 3]) and labels."""
     images, labels = load_fashion_mnist("test")
-    return hostile_images(STREAM, images[:count], labels[:count], 0)
+    noise = np.random.default_rng(0).normal(0.0, 255.0 * NOISE, images[:count].shape)
+    return np.clip(images[:count] + noise, 0, 255).astype(np.uint8), labels[:count]
 
 
 def adapt_stream(policy: Policy, images: np.ndarray, labels: np.ndarray) -> tuple[float, float]:

@@ -1,4 +1,4 @@
-"""The device step's algorithm (its Philox perturbations and float32 losses), run over NumPy on
+"""The device step's algorithm (its Philox perturbations, its float32 gradient), run over NumPy on
 the CPU, adapts a noisy stream as the host step does: over four seeds each, the mean accuracy
 within 1 point and the mean drift within 15% (the per-seed spread: tests/stream_agreement.py).
 On a GPU, tests/integration/test_cuda.py compares CUDA's device step with the CPU the same
@@ -23,7 +23,8 @@ def _host(seed: int) -> Policy:
 def _device_algorithm(seed: int) -> Policy:
     policy = _host(seed)
     engine = policy.model
-    engine.estimator = DeviceEstimator(engine.session, engine.config, engine.source_stats, np)
+    engine.estimator = DeviceEstimator(engine.session, engine.config, engine.estimator.objective,
+                                       np)
     return policy
 
 
