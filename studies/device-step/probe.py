@@ -40,7 +40,8 @@ def bound_call(session, feeds, outputs, shapes, run_options=None):
     """One call through IOBinding over CuPy arrays; returns the CuPy outputs."""
     binding = session.io_binding()
     for name, value in feeds.items():
-        binding.bind_input(name, "cuda", 0, np.float32, list(value.shape), value.data.ptr)
+        binding.bind_input(name, "cuda", 0, value.dtype.type, list(value.shape),
+                           value.data.ptr)
     results = {}
     for name in outputs:
         results[name] = cupy.empty(shapes[name], dtype=cupy.float32)
