@@ -86,7 +86,9 @@ class DeviceEstimator(ZerothOrderEstimator):
         self, x: np.ndarray, state: AdaptState, seed: int, step_index: int, n_anchor: int
     ) -> PreparedEstimate:
         """The perturbed theta rows [#FP x B, P] of the step in ``xp``, and what
-        :meth:`combine` needs (Z itself unless ``regenerate_z``: it is drawn again there)."""
+        :meth:`combine` needs. Z is not kept (MeZO's seed trick, free with a counter-based
+        generator: the gradient draws it again, the same numbers), so the step holds the rows
+        and nothing of their size beside them."""
         cfg, st, xp = self.config, state, self.xp
         batch = x.shape[0]
         pairs = cfg.forwards // 2
@@ -94,20 +96,23 @@ class DeviceEstimator(ZerothOrderEstimator):
             np.zeros_like(st.theta)
         plan = PerturbationPlan.create(
             seed, step_index, pairs * (batch if cfg.sample_wise else 1), n_anchor, d_bar)
-        z = self.perturbations(plan)
-        step = np.float32(cfg.mu) * z
-        if not cfg.sample_wise:  # one z per pair for the whole batch
-            step = xp.repeat(step, batch, axis=0)
         theta = self._array(st.theta)
         half = pairs * batch
         rows = xp.empty((2 * half, theta.size), dtype=np.float32)
+        step = rows[half:]  # mu z, then the rows built around it in place
+        z = self.perturbations(plan)
+        if cfg.sample_wise:
+            xp.multiply(z, np.float32(cfg.mu), out=step)
+        else:  # one z per pair for the whole batch
+            step[...] = xp.repeat(np.float32(cfg.mu) * z, batch, axis=0)
+        del z
         if cfg.two_sided:
             xp.add(theta, step, out=rows[:half])
-            xp.subtract(theta, step, out=rows[half:])
+            xp.subtract(theta, step, out=step)
         else:
             rows[:half] = theta
-            xp.add(theta, step, out=rows[half:])
-        return PreparedEstimate(plan, rows, None if cfg.regenerate_z else z, batch, pairs)
+            xp.add(theta, step, out=step)
+        return PreparedEstimate(plan, rows, None, batch, pairs)
 
     def combine(
         self, prepared: PreparedEstimate, logits: Any, features: Any, state: AdaptState,
@@ -121,9 +126,8 @@ class DeviceEstimator(ZerothOrderEstimator):
         self, plan: PerturbationPlan, coef: np.ndarray, z_all: Any, pairs: int
     ) -> np.ndarray:
         """g = (1/(qB)) sum_(j,i) coef_ji z_ji ([P] float64 on the host), the sum in float32
-        in ``xp`` (a shared z: the pair's mean coefficient times its z); Z drawn again when it
-        was not kept."""
-        z = z_all if z_all is not None else self.perturbations(plan)
+        in ``xp`` (a shared z: the pair's mean coefficient times its z), over Z drawn again."""
+        z = self.perturbations(plan)
         if self.config.sample_wise:
             weights = coef / coef.shape[0]
         else:

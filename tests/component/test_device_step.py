@@ -53,7 +53,9 @@ def test_anchor_rows_follow_the_anchor_and_the_rest_are_normal():
     engine.state.anchor = engine.state.theta + 1.0  # a direction to follow
     device = DeviceEstimator(engine.session, engine.config, engine.estimator.objective, np)
     prepared = device.prepare(x, engine.state, 0, 5, 3)
-    z, plan = prepared.z_all, prepared.plan
+    plan = prepared.plan
+    assert prepared.z_all is None  # drawn again for the gradient, not held
+    z = device.perturbations(plan)
     assert len(plan.anchor_rows) == 3
     for row in range(plan.rows):
         if row in plan.anchor_rows:  # d_bar * U(0, 2): the anchor's direction, never against
