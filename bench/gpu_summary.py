@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +42,10 @@ def cost_rows(folder: Path, kind: str = "bench") -> list[dict[str, Any]]:
     rows = []
     for report in _reports(folder, kind):
         by_key = {(r["method"], r["batch"]): r for r in report["rows"]}
+        layers = re.search(r"-a([^/]+)\.onnx$", report.get("model", ""))
+        model = report["architecture"] + (f" --adapt {layers[1]}" if layers else "")
         for batch in sorted({r["batch"] for r in report["rows"]}):
-            row: dict[str, Any] = {"model": report["architecture"], "batch_size": batch,
+            row: dict[str, Any] = {"model": model, "batch_size": batch,
                                    "noadapt_ms": by_key[("noadapt", batch)]["ms_per_sample"]}
             for method, _ in COST_COLUMNS:
                 found = by_key.get((method, batch))

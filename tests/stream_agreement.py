@@ -1,9 +1,10 @@
 """Statistical agreement of two adaptation paths that draw different random numbers (the
 device step's Philox and float32 against the host step's PCG64 and float64): each adapts the
 same noisy Fashion-MNIST stream under several seeds, and the seed means of accuracy and drift
-are compared. One seed is not enough: on 2000 test images with Gaussian noise of sigma 0.2, two
-seeds of the same host path differed by 1.1 (ResNet-GN) and 1.4 (ViT) points and 12-24% of
-drift (docs/guide/gpu.md, "How CUDA agrees with the CPU")."""
+are compared. One seed is not enough: on 2000 test images with the testbed's Gaussian noise of
+sigma 0.2, two seeds of the same host path differed by 1.1 (ResNet-GN) and 1.4 (ViT) points and
+12-24% of drift (docs/guide/gpu.md, "How CUDA agrees with the CPU"). The noise is drawn here
+with NumPy (the testbed's corruption package is not on every GPU machine)."""
 
 from __future__ import annotations
 

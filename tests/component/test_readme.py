@@ -65,8 +65,9 @@ def test_the_budget_and_layer_tables_are_the_committed_runs():
 
 def test_the_gpu_tables_are_the_committed_gpu_run():
     """``bench/gpu_check.sh``'s tables, as bench/gpu_summary.py wrote them for the H100 run in
-    results/h100-2026-11-28/final/ and for the budget run in
-    results/h100-budget/3-subgrid/, appear verbatim on docs/results/gpu.md."""
+    results/h100-2026-11-28/final/, the budget run in results/h100-budget/3-subgrid/ and the
+    H200 runs of the device step in results/h200-2026-12-04/ (and that run's CUDA-graph
+    table, studies/device-step/graphs_table.py's), appear verbatim on docs/results/gpu.md."""
     text = page("gpu")
     run = ROOT / "results" / "h100-2026-11-28" / "final"
     assert (run / "gpu.md").read_text().strip() in text
@@ -74,6 +75,12 @@ def test_the_gpu_tables_are_the_committed_gpu_run():
     budget = ROOT / "results" / "h100-budget" / "3-subgrid"
     assert (budget / "gpu.md").read_text().strip() in text
     assert "results/h100-budget/3-subgrid/" in text
+    for run in ("first", "final"):  # the device step on an H200
+        folder = ROOT / "results" / "h200-2026-12-04" / run
+        assert (folder / "gpu.md").read_text().strip() in text
+        assert f"results/h200-2026-12-04/{run}/" in text
+    graphs = ROOT / "results" / "h200-2026-12-04" / "final" / "graphs.md"
+    assert graphs.read_text().strip() in text
 
 
 def test_the_asynchronous_serving_tables_are_the_committed_runs():
