@@ -348,10 +348,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     from .methods import load_method
     from .server import ServeOptions, run_server
 
-    model = load_method(args.model, args.method, method_overrides(args), args.seed,
-                        session_settings(args))
-    warn_unfitted(model, method_overrides(args))
-    options = ServeOptions(
+    options = ServeOptions(  # range-checked here, before the model loads
         name=args.name or Path(args.model).stem,
         max_batch=args.max_batch,
         max_delay_ms=args.max_delay_ms,
@@ -368,10 +365,9 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         header_timeout_s=args.header_timeout_s,
         host=args.host,
     )
-    if options.max_pixels_mp <= 0 or options.header_timeout_s <= 0:
-        raise ValueError("need --max-pixels-mp > 0 and --header-timeout-s > 0")
-    if options.max_batch < 1 or options.max_delay_ms < 0 or options.snapshot_every < 1:
-        raise ValueError("need --max-batch >= 1, --max-delay-ms >= 0, --snapshot-every >= 1")
+    model = load_method(args.model, args.method, method_overrides(args), args.seed,
+                        session_settings(args))
+    warn_unfitted(model, method_overrides(args))
     level = "debug" if args.verbose >= 2 else "info"
     if args.replicas is None:
         run_server(model, options, args.host, args.port, level)

@@ -4,8 +4,24 @@ so the CLI reads them without importing the server stack."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
+
+# field -> (the serve option that sets it, the least value, whether the least is allowed, the
+# most): every number is checked when the options are made (a server never starts on a value
+# that would kill its worker or refuse every request)
+LIMITS: dict[str, tuple[str, float, bool, float]] = {
+    "max_batch": ("--max-batch", 1, True, math.inf),
+    "max_delay_ms": ("--max-delay-ms", 0.0, True, 60_000.0),
+    "snapshot_every": ("--snapshot-every", 1, True, math.inf),
+    "keep_snapshots": ("--keep-snapshots", 1, True, math.inf),
+    "max_body_mb": ("--max-body-mb", 0.0, False, math.inf),
+    "summary_every_s": ("--summary-every", 0.0, False, math.inf),
+    "max_pixels_mp": ("--max-pixels-mp", 0.0, False, math.inf),
+    "body_timeout_s": ("body_timeout_s", 0.0, False, math.inf),
+    "header_timeout_s": ("--header-timeout-s", 0.0, False, math.inf),
+}
 
 
 @dataclass
@@ -40,6 +56,21 @@ class ServeOptions:
     body_timeout_s: float = 30.0
     header_timeout_s: float = 10.0
     host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        """ValueError naming the option of the first number out of its range (:data:`LIMITS`):
+        not a number, not finite, below its least or above its most."""
+        for name, (option, least, inclusive, most) in LIMITS.items():
+            value = getattr(self, name)
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"{option} must be a number, got {value!r}") from None
+            low_ok = number >= least if inclusive else number > least
+            if not (math.isfinite(number) and low_ok and number <= most):
+                bound = f"{'>=' if inclusive else '>'} {least:g}" + (
+                    f" and <= {most:g}" if math.isfinite(most) else "")
+                raise ValueError(f"{option} must be a finite number {bound}, got {value!r}")
 
 
 def serve_defaults() -> dict[str, Any]:
