@@ -146,9 +146,11 @@ class AdaptationWorker:
         self._queue: queue.Queue = queue.Queue()
         self._held: Any = None
         self._thread = threading.Thread(target=self._run, name="eva0-adapt", daemon=True)
-        self._steps_since_snapshot = 0
+        self._snapshot_step: int | None = None  # the state's step at the last snapshot
 
     def start(self) -> None:
+        if self.snapshots is not None and self.model.spec.keeps_state:
+            self._snapshot_step = self.model.state.step  # a restored state counts on from here
         self._thread.start()
 
     @property
@@ -194,7 +196,7 @@ class AdaptationWorker:
         if self.snapshots is None or not self.model.spec.keeps_state:
             return None
         self._learn_waiting()
-        self._steps_since_snapshot = 0
+        self._snapshot_step = self.model.state.step
         try:
             path = self.snapshots.save(self.model)
         except OSError as err:
@@ -382,7 +384,13 @@ class AdaptationWorker:
             self._count_step()
 
     def _count_step(self) -> None:
-        """One more step on the state; a snapshot every ``snapshot_every`` of them."""
-        self._steps_since_snapshot += 1
-        if self._steps_since_snapshot >= self.snapshot_every:
+        """After a batch or a pass: a snapshot once the state has taken ``snapshot_every``
+        steps since the last one (steps taken, not batches served: a frozen or one-forward
+        server writes its state when it stops; a reset starts the count again)."""
+        if self.snapshots is None or not self.model.spec.keeps_state:
+            return
+        step = self.model.state.step
+        if self._snapshot_step is None or step < self._snapshot_step:
+            self._snapshot_step = step
+        if step - self._snapshot_step >= self.snapshot_every:
             self.snapshot_now()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -20,9 +21,13 @@ class FakeModel:
         self.steps: list[int] = []
         self.last = SimpleNamespace(skipped=False)
         self.state = SimpleNamespace(step=0)
+        self.spec = SimpleNamespace(keeps_state=True)
         self.gate = threading.Event()  # cleared: a step blocks until it is set
         self.gate.set()
         self.entered = threading.Event()
+
+    def health(self) -> SimpleNamespace:
+        return SimpleNamespace(step=self.state.step)
 
     def step(self, x: np.ndarray) -> np.ndarray:
         self.entered.set()
@@ -99,3 +104,29 @@ def test_fixed_delay_waits_for_the_deadline(worker_for):
     second = worker.submit(rows(2.0))
     first.result(timeout=5), second.result(timeout=5)
     assert model.steps == [2]
+
+
+class SnapshotCounter:
+    """A snapshot store that counts what it is asked to write."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def save(self, model) -> Path:
+        self.steps.append(model.state.step)
+        return Path(f"snapshot-{len(self.steps):08d}.npz")
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_snapshots_follow_the_states_steps_not_the_batches_served(worker_for, frozen):
+    """Every --snapshot-every steps the state takes (issue 50: a frozen server wrote one per
+    100 batches with 0 steps); a frozen state is written when the worker stops."""
+    store = SnapshotCounter()
+    worker, model = worker_for(snapshots=store, snapshot_every=5, max_delay_s=0.0, max_batch=1)
+    if frozen:
+        model.step = lambda x: np.zeros((x.shape[0], 3), np.float32)  # serves, never steps
+    for i in range(12):
+        worker.submit(rows(float(i))).result(timeout=10)
+    assert store.steps == ([] if frozen else [5, 10])
+    worker.stop(timeout=10)
+    assert store.steps == ([0] if frozen else [5, 10, 12])
