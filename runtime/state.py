@@ -40,9 +40,15 @@ _OPTIONAL_ARRAYS = ("shift_mean", "shift_recent", *BANK_ARRAYS)
 # float32, as stored
 _PARAMETER_ARRAYS = ("theta", "anchor", "velocity", "healthy_theta", "bank_theta")
 _ARRAY_FIELDS = (*_REQUIRED_ARRAYS, *_OPTIONAL_ARRAYS)
-_COUNTS = (  # ints in [0, 2^63)
+_COUNTS = (  # ints in [0, COUNT_LIMIT] (the seed: [0, 2^63))
     "step", "skipped", "seed", "clipped_coefs", "clipped_steps", "guard_trips", "pause_left",
 )
+# The most a counter may hold: every integer up to it is exact in a JSON reader's double, and at
+# a million steps a second a server reaches it in 285 years. A written state holds its counters
+# at most this (they saturate there), so a server always reads back what it wrote, whatever
+# traffic came after a state at the limit was installed.
+COUNT_LIMIT = 2**53
+_SATURATING = ("step", "skipped", "clipped_coefs", "clipped_steps", "guard_trips")
 _WEIGHTS = (  # floats in [0, 1]
     "stat_weight", "coef_weight", "shift_weight", "shift_recent_weight", "budget_fill",
 )
@@ -196,8 +202,12 @@ def _checked_array(name: str, value: Any) -> np.ndarray:
 def _checked_count(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise StateError(f"state {name} must be an integer, got {value!r:.40}")
-    if not 0 <= int(value) < 2**63:
-        raise StateError(f"state {name} = {int(value)} is out of range [0, 2^63)")
+    if name == "seed":
+        if not 0 <= int(value) < 2**63:
+            raise StateError(f"state seed = {int(value)} is out of range [0, 2^63)")
+    elif not 0 <= int(value) <= COUNT_LIMIT:
+        raise StateError(f"state {name} = {int(value)} is out of range [0, 2^53] (a counter "
+                         "adaptation reaches in centuries)")
     return int(value)
 
 
@@ -231,6 +241,8 @@ def encode_state(state: AdaptState, fingerprint: str, info: dict[str, Any]) -> b
     scalars = {
         f.name: getattr(state, f.name) for f in fields(state) if f.name not in _ARRAY_FIELDS
     }
+    for name in _SATURATING:
+        scalars[name] = min(int(scalars[name]), COUNT_LIMIT)
     meta = {
         "version": STATE_VERSION,
         "fingerprint": fingerprint,

@@ -49,7 +49,7 @@ def _far(model: Policy, name: str, scale: float, dtype=np.float32) -> np.ndarray
         (lambda m: {"anchor": _far(m, "anchor", 1e30)}, "state anchor is"),
         (lambda m: {"healthy_theta": _far(m, "healthy_theta", 1e3)}, "state healthy_theta is"),
         (lambda m: {"velocity": _far(m, "velocity", 1e9)}, "state velocity would move theta"),
-        (lambda m: {"pause_left": 2**62}, "pause_left = 4611686018427387904 exceeds"),
+        (lambda m: {"pause_left": 2**50}, "pause_left = 1125899906842624 exceeds"),
         (lambda m: {"skipped": m.state.step + 1}, "skipped = .* exceeds step"),
         (lambda m: {"shift_mean": _far(m, "shift_mean", 1e6, np.float64),
                     "shift_sq": 1e13}, "state shift_mean is .* from the source head mean"),
@@ -171,8 +171,9 @@ def test_a_version_one_state_loads_with_its_defaults(ready, weight):
 
 
 @pytest.mark.parametrize("name,value,ok", [
-    ("step", 2**63 - 1, True), ("step", 2**63, False), ("step", True, False),
+    ("step", 2**53, True), ("step", 2**53 + 1, False), ("step", True, False),
     ("step", 3.0, False), ("step", -1, False), ("seed", np.int64(7), True),
+    ("seed", 2**63 - 1, True), ("seed", 2**63, False),
     ("stat_weight", 1.0, True), ("stat_weight", 1.5, False), ("stat_weight", True, False),
     ("stat_weight", -0.1, False), ("stat_weight", float("nan"), False),
     ("coef_scale", 1e30, True), ("coef_scale", float("inf"), False),
@@ -418,3 +419,21 @@ def test_an_empty_bank_writes_no_bank_members_and_a_full_one_all_of_them():
     loaded, _ = decode_state(encode_state(state, "fp", {}))
     for name in BANK_ARRAYS:
         np.testing.assert_array_equal(getattr(loaded, name), getattr(state, name))
+
+
+def test_a_server_reads_back_its_own_state_after_traffic_at_the_counters_limit():
+    """A state installed at the counters' limit steps on, and what it writes is read back: the
+    written counters saturate at 2^53 (issue 50: a step of 2^63 - 1 was accepted, four requests
+    later the server's own state was refused and every snapshot with it)."""
+    from eva0_edge.runtime.policy import Policy
+    from eva0_edge.runtime.state import COUNT_LIMIT, decode_state
+    from tests.fixtures import SHIPPED_RESNET_GN, uniform_batch
+
+    policy = Policy.load(SHIPPED_RESNET_GN, "eva0", {"guard": False}, seed=0, provider="cpu")
+    state = policy.state
+    state.step = state.skipped = state.clipped_steps = COUNT_LIMIT - 1
+    for i in range(4):
+        policy.step(uniform_batch(4, seed=i))
+    assert policy.state.step == COUNT_LIMIT + 3
+    read, _ = decode_state(policy.state_bytes())
+    assert read.step == COUNT_LIMIT and read.skipped <= read.step
