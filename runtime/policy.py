@@ -57,7 +57,14 @@ from .monitoring import Health, StepStats
 from .registry import RUNTIME_KINDS, MethodSpec, spec_of
 from .session import AdaptableSession
 from .shift import ActivationShift
-from .state import AdaptState, decode_state, encode_state, read_state_file, write_state_file
+from .state import (
+    AdaptState,
+    StateError,
+    decode_state,
+    encode_state,
+    read_state_file,
+    write_state_file,
+)
 
 if TYPE_CHECKING:
     from .engine import Engine, ServedPass
@@ -324,10 +331,20 @@ class Policy:
         first, checksum, fingerprint, every value and shape) without touching the current
         state, so it may run on any thread; StateError names what is wrong."""
         m = self._engine()
-        state, _ = decode_state(data, m.fingerprint, self.state_sizes(),
-                                self.metadata.architecture)
+        state, info = decode_state(data, m.fingerprint, self.state_sizes(),
+                                   self.metadata.architecture)
+        self._check_method(info)
         m.limits.check(state)
         return state
+
+    def _check_method(self, info: dict) -> None:
+        """StateError unless the state was written by this method (its ``info``; a state with
+        no method named, from a version before it was written, is taken): a NoAdapt server
+        never serves an adapted theta, a ZOA server never steps on from an EVA-0 state."""
+        written = info.get("method") if isinstance(info, dict) else None
+        if written is not None and written != self.method:
+            raise StateError(f"state method {written!r} is not this server's {self.method!r}: "
+                             f"load it where --method {written} runs")
 
     def install_state(self, state: AdaptState) -> None:
         """Replace the state with one from :meth:`parse_state_bytes`."""
@@ -343,8 +360,9 @@ class Policy:
     def load_state(self, path: str | os.PathLike) -> None:
         """Load a state file written by :meth:`save_state` for this model."""
         m = self._engine()
-        state, _ = read_state_file(path, m.fingerprint, self.state_sizes(),
-                                   self.metadata.architecture)
+        state, info = read_state_file(path, m.fingerprint, self.state_sizes(),
+                                      self.metadata.architecture)
+        self._check_method(info)
         m.limits.check(state)
         self._install(state)
 

@@ -247,3 +247,31 @@ def test_quantize_fails_clearly_only_when_no_calibration_image_decodes(tmp_path,
     assert ("--calib: no decodable image among its 2 files, 2 undecodable input(s) skipped "
             "(a.png, b.jpg)") in err
     assert not (tmp_path / "q.onnx").exists()
+
+
+def test_the_server_refuses_another_methods_state_naming_both():
+    """An adapted EVA-0 state PUT into a NoAdapt server is a 400 naming both methods, and the
+    server keeps serving theta0 (issue 50: it answered 200 and served adapted parameters); the
+    same state loads into an EVA-0 server."""
+    from eva0_edge.runtime.policy import Policy
+    from eva0_edge.runtime.server import ServeOptions, create_app
+    from tests.fixtures import SHIPPED_RESNET_GN, InProcessServer, http_call, uniform_batch
+
+    adapted = Policy.load(SHIPPED_RESNET_GN, "eva0", {"guard": False}, seed=0, provider="cpu")
+    for i in range(3):
+        adapted.step(uniform_batch(8, seed=i))
+    data = adapted.state_bytes()
+    noadapt = Policy.load(SHIPPED_RESNET_GN, "noadapt", seed=0, provider="cpu")
+    server = InProcessServer(create_app(noadapt, ServeOptions("m")))
+    try:
+        path = "/v2/models/m/adaptation/state"
+        before = http_call(server, "GET", path)
+        status, body = http_call(server, "PUT", path, data)
+        assert status == 400
+        assert "'eva0'" in body.decode() and "'noadapt'" in body.decode()
+        assert http_call(server, "GET", path) == before
+    finally:
+        server.stop()
+    eva0 = Policy.load(SHIPPED_RESNET_GN, "eva0", {"guard": False}, seed=0, provider="cpu")
+    eva0.load_state_bytes(data)
+    np.testing.assert_array_equal(eva0.state.theta, adapted.state.theta)
