@@ -175,5 +175,5 @@ class AnchorShare:
         """How many of this batch's rows are anchor-guided; carries the remainder forward."""
         self.credit += batch * self.per_64 / 64.0
         count = min(int(np.floor(self.credit + 1e-9)), batch)
-        self.credit -= count
+        self.credit = max(self.credit - count, 0.0)  # the 1e-9 may round it a hair below 0
         return count

@@ -23,7 +23,13 @@ what adaptation itself could have produced on this model:
   the state's own (:func:`~.bank.check_bank`);
 * the feature moments: total energy ``sum(second_moment)`` at most 100x the source's
   ``sum(mean^2 + std^2)`` (an RMS feature norm 10x the source's), where the file has source
-  statistics.
+  statistics; each feature's second moment at least its mean squared (windowed means of h and
+  h^2 over the same samples);
+* ``anchor_credit`` below 1 (+1e-6): the anchor share keeps only the fraction of a row it has
+  not yet handed out (a credit of 1e300 made every row anchor-guided);
+* ``balance_in`` / ``balance_out`` at most ``theta_radius``: running means of an update's
+  component along the anchor direction, which no update that keeps theta in its radius
+  exceeds.
 
 Every bound is many times what the shipped models reach on the severity-5 streams
 (``tests/component/test_state_validation.py`` walks adapted states through them).
@@ -100,6 +106,21 @@ class StateLimits:
         self._check_shift(state)
         check_bank(state, self.bank_slots, self.theta0, self.theta_radius, self.shift_width or 0,
                    state.center.size, self.shift_source, self.shift_radius)
+        if state.anchor_credit >= 1.0 + 1e-6:
+            raise StateError(f"state anchor_credit = {state.anchor_credit:.4g} is not below 1 "
+                             "(the part of an anchor-guided row not yet handed out)")
+        for name in ("balance_in", "balance_out"):
+            value = getattr(state, name)
+            if value > self.theta_radius:
+                raise StateError(f"state {name} = {value:.4g} is over {self.theta_radius:.4g}, "
+                                 "the farthest an update may move theta")
+        mean, second = state.mean.astype(np.float64), state.second_moment.astype(np.float64)
+        gap = second - mean * mean
+        if mean.size == second.size and (gap < -1e-6 * (second + mean * mean) - 1e-12).any():
+            worst = int(np.argmin(gap))
+            raise StateError(f"state second_moment[{worst}] = {second[worst]:.4g} is below "
+                             f"mean[{worst}]^2 = {mean[worst] ** 2:.4g}: not moments of one set "
+                             "of samples")
         if self.feature_energy is not None:
             energy = float(state.second_moment.sum())
             if energy > self.feature_energy:

@@ -56,6 +56,11 @@ def _far(model: Policy, name: str, scale: float, dtype=np.float32) -> np.ndarray
         (lambda m: {"shift_sq": 1e6}, r"state shift_sq = 1e\+06 is over"),
         (lambda m: {"shift_sq": 0.0}, "below the squared norm of shift_mean"),
         (lambda m: {"second_moment": m.state.second_moment * 1e6}, "second_moment sums to"),
+        (lambda m: {"anchor_credit": 1e300}, "anchor_credit = 1e\\+300 is not below 1"),
+        (lambda m: {"balance_in": 1e30}, "balance_in = 1e\\+30 is over"),
+        (lambda m: {"balance_out": 1e30}, "balance_out = 1e\\+30 is over"),
+        (lambda m: {"mean": np.sqrt(m.state.second_moment) + 1.0},
+         r"second_moment\[\d+\] = .* is below mean\[\d+\]\^2"),
     ],
 )
 def test_a_state_the_model_cannot_survive_is_refused(shifted, changes, match):
