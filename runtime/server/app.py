@@ -30,8 +30,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eva0_edge import __version__
 
@@ -43,6 +45,7 @@ from .options import ServeOptions
 from .protocol import ProtocolError
 from .routes_adaptation import adaptation_router, metrics_router
 from .routes_oip import oip_router
+from .routes_triton import triton_router
 from .snapshots import SnapshotStore
 from .worker import AdaptationWorker, StepRecord
 
@@ -110,12 +113,26 @@ def create_app(
     async def protocol_error(_: Request, err: ProtocolError) -> JSONResponse:
         return error_response(str(err), err.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def routing_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        """An unrouted path or method: the protocol's error body, naming the route."""
+        what = "no such route" if err.status_code == 404 else str(err.detail)
+        return error_response(f"{what}: {request.method} {request.url.path[:200]}",
+                              err.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, err: RequestValidationError) -> JSONResponse:
+        return error_response(f"invalid request to {request.url.path[:200]}: "
+                              f"{str(err.errors())[:300]}", 400)
+
     @app.exception_handler(Exception)
     async def internal_error(_: Request, err: Exception) -> JSONResponse:
         """A bug, not the client's fault: JSON like every other answer, no object reprs."""
         log.error("internal error: %s: %s", type(err).__name__, err)
         return error_response(f"internal server error ({type(err).__name__})", 500)
 
-    for router in (oip_router(ctx), adaptation_router(ctx), metrics_router(ctx)):
+    # Triton's routes first: /v2/models/stats is not the metadata of a model named "stats"
+    for router in (triton_router(ctx), oip_router(ctx), adaptation_router(ctx),
+                   metrics_router(ctx)):
         app.include_router(router)
     return app

@@ -10,7 +10,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 
 from ..policy import Policy
 from .extension import ServerExtension
+from .inference_stats import InferenceStats
 from .metrics import ServerMetrics
 from .options import ServeOptions
 from .protocol import ProtocolError
@@ -175,6 +176,7 @@ class ServerContext:
     ready: asyncio.Event
     extension: ServerExtension | None = None
     non_finite_rows: int = 0
+    inference: InferenceStats = field(default_factory=InferenceStats)
 
     def count_non_finite(self, rows: int) -> None:
         """Rows of the model's output that were not finite (statistics and metrics)."""

@@ -15,6 +15,7 @@ from eva0_edge import __version__
 from ..session import InputError
 from .context import MODEL_VERSION, ServerContext, error_response, log
 from .protocol import HEADER_LENGTH, ProtocolError, encode_infer_response, parse_infer_request
+from .routes_triton import EXTENSIONS
 from .tensors import OutputPlan, model_input, model_metadata, model_outputs, plan_outputs
 
 
@@ -48,7 +49,7 @@ def oip_router(ctx: ServerContext) -> APIRouter:
     async def server_metadata() -> dict:
         return {
             "name": "eva0-edge", "version": __version__,
-            "extensions": ["binary_tensor_data", "eva0_adaptation"],
+            "extensions": ["binary_tensor_data", *EXTENSIONS, "eva0_adaptation"],
         }
 
     named = [Depends(ctx.check_name)]
@@ -80,6 +81,7 @@ def oip_router(ctx: ServerContext) -> APIRouter:
         so that its metrics count every answer (a 404 included)."""
         start = time.perf_counter()
         status = 200
+        rows = 0
         announced = False
         try:
             ctx.check_name(name, version)
@@ -91,6 +93,7 @@ def oip_router(ctx: ServerContext) -> APIRouter:
             parsed, plans, x = await run_in_threadpool(
                 prepare, body, request.headers.get(HEADER_LENGTH)
             )
+            rows = x.shape[0]
             future = worker.submit(x, announced=True)
             announced = False
             logits = await asyncio.wrap_future(future)
@@ -111,6 +114,7 @@ def oip_router(ctx: ServerContext) -> APIRouter:
             if announced:
                 worker.withdraw()
             elapsed = time.perf_counter() - start
+            ctx.inference.record(status == 200, elapsed, rows)
             ctx.metrics.requests.labels(str(status)).inc()
             if status == 200:
                 ctx.metrics.latency.observe(elapsed)

@@ -39,9 +39,8 @@ def model_metadata(name: str, version: str, metadata: ModelMetadata) -> dict:
         "name": name,
         "versions": [version],
         "platform": "onnxruntime_onnx",
-        "inputs": [
+        "inputs": [  # what a request sends; ``images`` is the optional other way (config)
             {"name": PIXELS, "datatype": "FP32", "shape": [-1, c, h, w]},
-            {"name": IMAGES, "datatype": "BYTES", "shape": [-1]},
         ],
         "outputs": [
             {"name": "logits", "datatype": "FP32", "shape": [-1, k]},

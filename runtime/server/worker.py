@@ -134,6 +134,7 @@ class AdaptationWorker:
         self._recent: list[np.ndarray] = []
         self._recent_rows = 0  # rows in _recent, kept as they come and go (read per request)
         self._counts = {"served_samples": 0, "adapted_samples": 0, "dropped_samples": 0}
+        self.executions = 0  # batches the model ran to answer requests
         self.model = model
         self.max_batch = max_batch
         self.max_delay_s = max_delay_s
@@ -297,6 +298,7 @@ class AdaptationWorker:
                 job.future.set_exception(err)
             return
         seconds = time.perf_counter() - start
+        self.executions += 1
         offset = 0
         for job in jobs:
             n = job.x.shape[0]
