@@ -17,9 +17,10 @@ EXTENSIONS = ("model_configuration", "model_repository", "statistics")
 
 
 def model_config(ctx: ServerContext) -> dict:
-    """The model configuration as Triton's ``config`` route gives it: batched inputs (dims
-    without the batch), ``images`` optional (PNG / JPEG bytes, one element a row, instead of
-    ``pixel_values``), the outputs and the dynamic batcher's delay."""
+    """The model configuration as Triton's ``config`` route gives it: the batched input (dims
+    without the batch), the outputs, the dynamic batcher's delay. The inputs are the
+    metadata's, which a client sends all at once (perf_analyzer generates each); the other way
+    in, ``images`` (PNG / JPEG bytes, one element a row), is named in ``parameters``."""
     metadata, options = ctx.model.metadata, ctx.options
     c, h, w = metadata.preprocessing.input_size
     k = metadata.num_classes
@@ -32,9 +33,10 @@ def model_config(ctx: ServerContext) -> dict:
         "input": [
             {"name": PIXELS, "data_type": "TYPE_FP32", "format": "FORMAT_NCHW",
              "dims": [c, h, w], "optional": False},
-            {"name": IMAGES, "data_type": "TYPE_STRING", "format": "FORMAT_NONE", "dims": [1],
-             "optional": True},
         ],
+        "parameters": {IMAGES: {"string_value": (
+            "optional input instead of pixel_values: BYTES [B], one encoded PNG or JPEG a "
+            "row, preprocessed by the server")}},
         "output": [
             {"name": "logits", "data_type": "TYPE_FP32", "dims": [k]},
             {"name": "probabilities", "data_type": "TYPE_FP32", "dims": [k]},

@@ -38,9 +38,9 @@ def test_a_client_builds_a_request_from_the_metadata_and_the_config(server):
     client = server.client
     config = client.get_model_config(NAME)
     assert config["name"] == NAME and config["max_batch_size"] == 16
-    required = [i for i in config["input"] if not i.get("optional")]
-    metadata = client.get_model_metadata(NAME)
-    assert [i["name"] for i in metadata["inputs"]] == [i["name"] for i in required]
+    metadata = client.get_model_metadata(NAME)  # the same inputs: a client sends them all
+    assert [i["name"] for i in metadata["inputs"]] == [i["name"] for i in config["input"]]
+    assert "images" in config["parameters"]
     inputs = []
     for spec in metadata["inputs"]:  # every listed input, as a generic client sends them
         shape = [2 if d == -1 else d for d in spec["shape"]]

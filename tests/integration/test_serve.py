@@ -146,8 +146,7 @@ def test_metadata_and_health(server):
     assert client.is_server_live() and client.is_server_ready() and client.is_model_ready(NAME)
     meta = client.get_model_metadata(NAME)
     assert {i["name"]: i["shape"] for i in meta["inputs"]} == {"pixel_values": [-1, 3, 32, 32]}
-    optional = [i["name"] for i in client.get_model_config(NAME)["input"] if i["optional"]]
-    assert optional == ["images"]  # the other way in, named in the configuration
+    assert "images" in client.get_model_config(NAME)["parameters"]  # the other way in
     assert [o["name"] for o in meta["outputs"]] == ["logits", "probabilities", "labels"]
     assert "binary_tensor_data" in client.get_server_metadata()["extensions"]
 
