@@ -158,7 +158,11 @@ class Engine:
         return self.state.frozen
 
     def freeze(self, frozen: bool = True) -> None:
-        """Predict with the current theta and stop adapting (``frozen``), or resume."""
+        """Predict with the current theta and stop adapting (``frozen``), or resume. A freeze
+        ends every pass begun before it (:meth:`current`), even one whose freeze is lifted
+        before it finishes."""
+        if frozen and not self.state.frozen:
+            self._generation += 1
         self.state.frozen = bool(frozen)
 
     def install(self, state: AdaptState) -> None:

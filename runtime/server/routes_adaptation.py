@@ -37,13 +37,19 @@ def adaptation_router(ctx: ServerContext) -> APIRouter:
         """The statistics after an admin change, and whether its snapshot was written."""
         return {**finite_stats(m.stats()), "snapshot_written": worker.snapshot_now()}
 
-    @router.get("/statistics")
-    async def statistics() -> dict:
-        stats = await ctx.on_worker(lambda m: m.stats())
+    def snapshot_of_counts(m: Policy) -> dict:
+        """Every counter read in one call on the worker thread, between two batches: one
+        snapshot, its sample counts agreeing with each other under any load."""
+        stats = m.stats()
         stats["snapshots_written"] = ctx.snapshots.written if ctx.snapshots else 0
         stats["non_finite_rows"] = ctx.non_finite_rows
         if ctx.options.asynchronous:
-            stats["asynchronous"] = await ctx.on_worker(lambda _: ctx.worker.counts())
+            stats["asynchronous"] = ctx.worker.counts()
+        return stats
+
+    @router.get("/statistics")
+    async def statistics() -> dict:
+        stats = await ctx.on_worker(snapshot_of_counts)
         if ctx.extension is not None:
             stats[ctx.extension.name] = ctx.extension.statistics()
         return finite_stats(stats)
