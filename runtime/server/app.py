@@ -135,4 +135,5 @@ def create_app(
     for router in (triton_router(ctx), oip_router(ctx), adaptation_router(ctx),
                    metrics_router(ctx)):
         app.include_router(router)
+    app.state.worker = worker
     return app

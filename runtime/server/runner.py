@@ -4,6 +4,7 @@ logging the URL it listens on once its socket is bound (``--port 0``: any free p
 from __future__ import annotations
 
 import logging
+import os
 import socket
 
 import uvicorn
@@ -60,3 +61,8 @@ def run_server(
         timeout_graceful_shutdown=10, http=header_deadline_protocol(options.header_timeout_s),
     )
     _AnnouncingServer(config, options.name).run()
+    if app.state.worker.abandoned_pass:
+        # the snapshot is written; the abandoned pass's thread would hold the interpreter's exit
+        # (it joins executor threads) for as long as the host starves it
+        logging.shutdown()
+        os._exit(0)

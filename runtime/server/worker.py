@@ -135,6 +135,7 @@ class AdaptationWorker:
         self._recent_rows = 0  # rows in _recent, kept as they come and go (read per request)
         self._counts = {"served_samples": 0, "adapted_samples": 0, "dropped_samples": 0}
         self.executions = 0  # batches the model ran to answer requests
+        self.abandoned_pass = False  # a pass was still running when the worker stopped
         self.model = model
         self.max_batch = max_batch
         self.max_delay_s = max_delay_s
@@ -159,7 +160,9 @@ class AdaptationWorker:
         return self._thread.is_alive()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Finish what is queued, write a final snapshot, and end the thread."""
+        """Finish what is queued, write a final snapshot, and end the thread. A pass whose
+        ORT call has not finished is abandoned (its rows dropped), not waited for: on a loaded
+        host its thread may get no CPU for tens of seconds (``abandoned_pass``)."""
         self._queue.put(_STOP)
         self._thread.join(timeout)
 
@@ -244,11 +247,16 @@ class AdaptationWorker:
                 continue
             self._batch(item)
         self._learn_waiting()
-        if self._pass is not None:  # the running pass's update is kept
+        if self._pass is not None and self._pass.outputs.done():  # its update is kept
             self._finish_pass()
+        elif self._pass is not None:  # starved (its thread runs on idle CPU only): abandoned
+            rows, self._pass = self._pass.adaptation.rows, None
+            self._counts["dropped_samples"] += rows
+            self.abandoned_pass = True
+            log.info("stop: the running adaptation pass (%d samples) is abandoned", rows)
         if self._runs is not None:
-            self._runs.shutdown()
-        self.snapshot_now()
+            self._runs.shutdown(wait=False, cancel_futures=True)
+        self.snapshot_now()  # the state of the last applied step
 
     def _control(self, item: _Control) -> None:
         if not item.future.set_running_or_notify_cancel():

@@ -283,3 +283,25 @@ def test_statistics_under_load_agree_with_themselves():
         for thread in clients:
             thread.join(30)
         server.stop()
+
+
+def test_a_stop_abandons_a_pass_still_running_and_writes_the_last_applied_step(
+        started, monkeypatch, tmp_path):
+    """SIGTERM under CPU load: a pass whose ORT call gets no CPU is not waited for; the worker
+    stops at once with the snapshot of the last applied step (issue 50: 15-39 s to exit)."""
+    from eva0_edge.runtime.server.snapshots import SnapshotStore
+
+    model = Policy.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
+    release, seen = held_passes(monkeypatch)
+    store = SnapshotStore(tmp_path / "state")
+    worker = AdaptationWorker(model, 4, 0.0, store, asynchronous=True)
+    worker.start()
+    try:
+        worker.submit(images(4, 0)).result(30)
+        wait_for(lambda: seen != [])  # the pass's ORT call is held: a starved thread
+        worker.stop(timeout=10)
+        assert not worker._thread.is_alive() and worker.abandoned_pass
+        assert worker.counts()["dropped_samples"] == 4 and store.written == 1
+        assert model.state.step == 0
+    finally:
+        release.set()
