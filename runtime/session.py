@@ -30,6 +30,14 @@ PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 # input is refused as "not preprocessed" (raw 0..255 pixels land far outside).
 RANGE_TOLERANCE = 1.0
 
+# A checked batch of at least this many values stays on the device (its check, the input
+# descriptors and a served forward run there); a smaller one is checked, described and served
+# from the host. On an H200 the host's served batch under a budget cost 1.01-1.08x NoAdapt at
+# batch 1 and 1.15-1.20x at batch 8 (224 x 224: 150k and 1.2M values) against the device's
+# 1.30-1.47x and 1.30-1.43x, the device's 1.10-1.17x against 1.25-1.41x at batch 32 (4.8M)
+# (results/h200-2026-12-04/final/budget-*): the crossover lies between, 2^21 is about batch 14.
+DEVICE_BATCH_VALUES = 2**21
+
 
 class InputError(ValueError):
     """The input batch has the wrong shape, dtype or value range; nothing was run or changed."""
@@ -199,11 +207,12 @@ class AdaptableSession:
     copies what a caller hands on.
 
     ``device_step``: keep a batch and a step's arrays on the CUDA device (CuPy, the ``[gpu]``
-    extra; :mod:`.device_step`): the input check is a reduction there, the checked batch stays
-    there for every call on it (:meth:`resident`), the engine's step draws, builds, runs and
-    reduces its rows there (:meth:`run_device`), and a served batch's theta crosses once, not
-    once per row. Default None: on a CUDA session through IOBinding of a ``theta`` file when
-    CuPy sees the device; True where that cannot be is refused."""
+    extra; :mod:`.device_step`): the engine's step draws, builds, runs and reduces its rows
+    there (:meth:`run_device`); a batch of at least :data:`DEVICE_BATCH_VALUES` values is
+    checked there by a reduction and stays there for every call on it (:meth:`resident`: the
+    step, the input descriptors, a served forward whose theta crosses once, not per row).
+    Default None: on a CUDA session through IOBinding of a ``theta`` file when CuPy sees the
+    device; True where that cannot be is refused."""
 
     def __init__(
         self,
@@ -324,7 +333,7 @@ class AdaptableSession:
             raise InputError("pixel_values is an empty batch")
         x = np.ascontiguousarray(x, dtype=np.float32)
         device = None
-        if self.cupy is not None:  # one copy to the device, both reductions there
+        if self.cupy is not None and x.size >= DEVICE_BATCH_VALUES:  # one copy, reduced there
             device = self.cupy.asarray(x)
             low, high = (float(v) for v in self.cupy.stack([device.min(), device.max()]).get())
         else:
@@ -354,7 +363,8 @@ class AdaptableSession:
 
     def run(self, x: np.ndarray, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """One ORT call. ``x`` must already be checked; theta rows must be a multiple of N."""
-        if self.cupy is not None and theta.strides[0] == 0 and theta.shape[0] == x.shape[0]:
+        if theta.strides[0] == 0 and theta.shape[0] == x.shape[0] and \
+                self.resident(x) is not None:
             return self._run_served(x, theta[0])
         logits, features = self._run_copies(x, theta, ["logits", "features"], None)
         return logits, features

@@ -17,7 +17,7 @@ from eva0_edge.runtime.counter_rng import NORMAL, UNIFORM, device_rows, draw_row
 from eva0_edge.runtime.inputwatch import describe
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.policy import Policy
-from eva0_edge.runtime.session import AdaptableSession, InputError
+from eva0_edge.runtime.session import DEVICE_BATCH_VALUES, AdaptableSession, InputError
 from tests.fixtures import SHIPPED_RESNET_GN, SHIPPED_VIT
 from tests.stream_agreement import seed_means
 
@@ -61,15 +61,19 @@ def test_philox_kernel_equals_its_numpy_reference():
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_device_step_serves_and_describes_the_cpus_numbers(path):
-    """The resident batch: a served call (one theta broadcast on the device) gives the CPU's
-    logits, the input descriptors computed there the host's."""
+    """A batch of DEVICE_BATCH_VALUES values or more stays resident: a served call (one theta
+    broadcast on the device) gives the CPU's logits, the input descriptors computed there the
+    host's. A smaller batch is checked and served from the host."""
     metadata = read_metadata(path)
     cpu = AdaptableSession(path, metadata, "cpu")
     cuda = AdaptableSession(path, metadata, "cuda")
     assert cuda.device_step
-    x = cuda.check_input(_batch(metadata, 8, 0))
+    small = cuda.check_input(_batch(metadata, 8, 1))
+    assert cuda.resident(small) is None
+    rows = -(-DEVICE_BATCH_VALUES // int(np.prod(metadata.preprocessing.input_size)))
+    x = cuda.check_input(_batch(metadata, rows, 0))
     assert cuda.resident(x) is not None and cuda.resident(x.copy()) is None
-    theta = np.broadcast_to(metadata.theta0.astype(np.float32), (8, metadata.num_params))
+    theta = np.broadcast_to(metadata.theta0.astype(np.float32), (rows, metadata.num_params))
     for want, got in zip(cpu.run(x, theta), cuda.run(x, theta), strict=True):
         np.testing.assert_allclose(got, want, atol=2e-3 * float(np.abs(want).max()), rtol=0)
     np.testing.assert_allclose(describe(cuda.resident(x)), describe(x), rtol=1e-5, atol=1e-6)
