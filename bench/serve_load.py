@@ -25,6 +25,13 @@ rotation: a fixed order can favour a position); the table shows medians over the
 images/s and p50 also as the median of each round's ratio to NoAdapt's in the same setting,
 and the forwards per sample the server counted over each load (``-`` for a fleet, whose
 replicas count apart).
+``--client perf_analyzer`` generates the load with Triton's perf_analyzer instead (one light
+C++ process, ``make perf-analyzer``; ``--perf-analyzer PATH`` names another binary):
+``--concurrency`` its concurrency range, ``requests x concurrency`` requests a measurement window
+(``count_windows`` mode, up to 5 windows until three agree within 100%: a shared machine's
+windows rarely agree within perf_analyzer's default 10%, and the rounds handle the noise), the
+same rows as its ``--input-data``; throughput and p50 / p99 latency are perf_analyzer's, of its
+last three windows.
 Output: a table, ``serve_load.json`` (every round's rows) and ``serve_load.png``.
 """
 
@@ -56,6 +63,8 @@ from .testbed.machine import environment
 from .testbed.output import machine_line, pyplot, save_figure, write_outputs
 from .testbed.workload import random_batch
 
+CLIENTS = ("python", "perf_analyzer")
+PERF_ANALYZER = Path(__file__).resolve().parents[1] / ".cache" / "perf-analyzer" / "perf_analyzer"
 ASYNC = "+async"  # a method named eva0+async is served with --async-adapt
 BUDGET = "@"  # eva0@1.5: served with --budget 1.5
 RANDOM = "random"
@@ -174,6 +183,50 @@ def _load(url: str, name: str, images: np.ndarray, batch: int, clients: int, req
     return np.array(latencies), time.perf_counter() - start
 
 
+def _python_measures(url: str, name: str, images: np.ndarray, batch: int, clients: int,
+                     requests: int, warmup: int) -> dict[str, float]:
+    """The Python clients' load (:func:`_load`): requests, images/s, p50 and p99 (ms)."""
+    latencies, wall = _load(url, name, images, batch, clients, requests, warmup)
+    return {"requests": int(latencies.size),
+            "images_per_s": clients * (requests + warmup) * batch / wall,
+            "p50_ms": 1000 * float(np.percentile(latencies, 50)),
+            "p99_ms": 1000 * float(np.percentile(latencies, 99))}
+
+
+def perf_analyzer_data(images: np.ndarray, path: Path) -> Path:
+    """``images`` [N, C, H, W] as perf_analyzer's JSON input data: one row a step (a batched
+    model's input shape has no batch dimension; ``-b`` makes the batches)."""
+    path.write_text(json.dumps({"data": [
+        {"pixel_values": {"content": row.ravel().tolist(), "shape": list(row.shape)}}
+        for row in images]}))
+    return path
+
+
+def _perf_analyzer_measures(tool: Path, url: str, name: str, data: Path, batch: int,
+                            clients: int, requests: int) -> dict[str, float]:
+    """perf_analyzer's stable measurement at ``clients`` concurrency: requests, images/s, p50
+    and p99 (ms). Version 1 is named (without ``-x`` perf_analyzer 2.60 stops at its first
+    window against this server)."""
+    with tempfile.TemporaryDirectory() as folder:
+        table = Path(folder) / "load.csv"
+        command = [str(tool), "-m", name, "-x", "1", "-u", url, "-i", "http", "-b", str(batch),
+                   "--concurrency-range", str(clients), "--measurement-mode", "count_windows",
+                   "--measurement-request-count", str(requests * clients), "--max-trials", "5",
+                   "-s", "100", "--input-data", str(data), "-f", str(table)]
+        run = subprocess.run(command, capture_output=True, text=True, timeout=900)
+        if run.returncode != 0 or not table.is_file():
+            raise RuntimeError(f"perf_analyzer failed ({run.returncode}): "
+                               f"{(run.stdout + run.stderr)[-1500:]}")
+        lines = table.read_text().strip().splitlines()
+    header, values = lines[0].split(","), lines[1].split(",")
+    row = dict(zip(header, values, strict=False))
+    count = re.search(r"Client: \n\s+Request count: (\d+)", run.stdout)
+    return {"requests": int(count[1]) if count else 0,
+            "images_per_s": float(row["Inferences/Second"]),
+            "p50_ms": float(row["p50 latency"]) / 1000.0,
+            "p99_ms": float(row["p99 latency"]) / 1000.0}
+
+
 def stream_images(metadata, stream: str, batch: int) -> np.ndarray:
     """The requests' rows [N, C, H, W]: ``random`` (one random image, ``batch`` rows, sent
     again and again: what a random-weight export can be loaded with) or a Fashion-MNIST-C
@@ -198,20 +251,29 @@ def run_load(
     model: str, concurrency: list[int], methods: list[str], batch: int = 1, requests: int = 50,
     warmup: int = 3, threads: int | None = None, max_delay_ms: float = 10.0,
     delays: tuple[str, ...] = ("adaptive",), replicas: tuple[int, ...] = (0,),
-    stream: str = RANDOM, rounds: int = 1,
+    stream: str = RANDOM, rounds: int = 1, client: str = "python",
+    perf_analyzer: Path = PERF_ANALYZER,
 ) -> dict[str, Any]:
     """Run every method under every delay mode ('adaptive', 'fixed') on every server (0: the
     plain one, N: a fleet of N replicas) at every concurrency, the whole sweep ``rounds`` times
-    (interleaved, so a slow spell of a shared machine hits every method); returns the report
-    dict (times in ms, one row per run)."""
+    (interleaved, so a slow spell of a shared machine hits every method), the load from
+    ``client`` ('python': threads of this process; 'perf_analyzer': that binary); returns the
+    report dict (times in ms, one row per run)."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if client not in CLIENTS:
+        raise ValueError(f"unknown client {client!r}: use {', '.join(CLIENTS)}")
+    if client == "perf_analyzer" and not Path(perf_analyzer).is_file():
+        raise ValueError(f"perf_analyzer not found at {perf_analyzer}: make perf-analyzer")
     unknown = set(delays) - {"adaptive", "fixed"}
     if unknown:
         raise ValueError(f"unknown delay mode(s) {sorted(unknown)}: use adaptive, fixed")
     metadata = read_metadata(model)
     images = stream_images(metadata, stream, batch)
     name = Path(model).stem
+    data_dir = tempfile.TemporaryDirectory()
+    data = perf_analyzer_data(images, Path(data_dir.name) / "data.json") \
+        if client == "perf_analyzer" else None
     env_start = environment()
     rows = []
     sweep = [(m, d, n) for m in methods for d in delays for n in replicas]
@@ -222,8 +284,12 @@ def run_load(
             for clients in concurrency:
                 rows_before, steps_before = server.step_counts()
                 counted_before = None if fleet else server.forward_counts(name)
-                latencies, wall = _load(server.url, name, images, batch, clients, requests,
-                                       warmup)
+                if data is None:
+                    measured = _python_measures(server.url, name, images, batch, clients,
+                                                requests, warmup)
+                else:
+                    measured = _perf_analyzer_measures(Path(perf_analyzer), server.url, name,
+                                                       data, batch, clients, requests)
                 rows_after, steps_after = server.step_counts()
                 steps = steps_after - steps_before
                 forwards_per_sample = None
@@ -232,11 +298,7 @@ def run_load(
                     forwards_per_sample = float(forwards / samples)
                 rows.append({
                     "round": round_index, "method": method, "delay": delay, "replicas": fleet,
-                    "concurrency": clients, "batch": batch,
-                    "requests": int(latencies.size),
-                    "images_per_s": clients * (requests + warmup) * batch / wall,
-                    "p50_ms": 1000 * float(np.percentile(latencies, 50)),
-                    "p99_ms": 1000 * float(np.percentile(latencies, 99)),
+                    "concurrency": clients, "batch": batch, **measured,
                     "steps": int(steps),
                     "rows_per_step": (rows_after - rows_before) / steps if steps else None,
                     "forwards_per_sample": forwards_per_sample,
@@ -248,10 +310,11 @@ def run_load(
                       f"{_optional(forwards_per_sample)} forwards per sample", flush=True)
         finally:
             server.stop()
+    data_dir.cleanup()
     return {
         "model": Path(model).name, "architecture": metadata.architecture,
         "threads": threads or "ort default", "max_delay_ms": max_delay_ms, "stream": stream,
-        "rounds": rounds,
+        "rounds": rounds, "client": client,
         "environment_start": env_start, "environment_end": environment(), "rows": rows,
     }
 
@@ -378,6 +441,12 @@ def main(argv: list[str] | None = None) -> None:
                         "in order; for the shipped Fashion-MNIST models)")
     parser.add_argument("--rounds", type=int, default=1, help="repeat the whole sweep this "
                         "many times, interleaved; the table shows medians")
+    parser.add_argument("--client", default="python", choices=CLIENTS,
+                        help="the load generator: threads of this process (python) or Triton's "
+                        "perf_analyzer (make perf-analyzer)")
+    parser.add_argument("--perf-analyzer", type=Path, default=PERF_ANALYZER,
+                        help="the perf_analyzer binary (default: the one make perf-analyzer puts "
+                        "in .cache/perf-analyzer)")
     parser.add_argument("--out", help="folder for serve_load.md / .json / .png")
     parser.add_argument("--report", type=Path, help="a serve_load.json to render again (table "
                         "and plot) instead of running; the run options are then ignored")
@@ -396,6 +465,7 @@ def main(argv: list[str] | None = None) -> None:
         args.warmup, args.threads, args.max_delay_ms,
         tuple(d.strip() for d in args.delays.split(",") if d.strip()),
         tuple(int(n) for n in args.replicas.split(",")), args.stream, args.rounds,
+        args.client, args.perf_analyzer,
     )
     print(markdown(report))
     if args.out:

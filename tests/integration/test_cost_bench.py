@@ -273,3 +273,24 @@ def test_blackbox_table_runs_every_budget_and_writes_outputs(tmp_path):
     assert (tmp_path / "blackbox.png").stat().st_size > 10_000
     assert "noadapt (prompt model)" in json.loads((tmp_path / "results.json").read_text())[
         "results"]
+
+
+def test_serve_load_takes_its_load_from_perf_analyzer(tmp_path):
+    """``--client perf_analyzer``: Triton's load generator drives the server (make
+    perf-analyzer); the rows are its throughput and latency, the server's forward counts."""
+    from eva0_edge.bench import serve_load
+
+    serve_load.main(["--model", str(MODEL), "--concurrency", "1,2", "--methods", "noadapt,eva0",
+                     "--requests", "20", "--threads", "1", "--client", "perf_analyzer",
+                     "--out", str(tmp_path / "load")])
+    report = json.loads((tmp_path / "load" / "serve_load.json").read_text())
+    assert report["client"] == "perf_analyzer"
+    assert [(r["method"], r["concurrency"]) for r in report["rows"]] == [
+        ("noadapt", 1), ("noadapt", 2), ("eva0", 1), ("eva0", 2)]
+    for row in report["rows"]:
+        assert row["images_per_s"] > 0 and row["p99_ms"] >= row["p50_ms"] > 0
+        assert row["requests"] >= 20 * row["concurrency"]  # at least one window's count
+    assert {r["forwards_per_sample"] for r in report["rows"][:2]} == {1.0}
+    eva0 = [r["forwards_per_sample"] for r in report["rows"][2:]]
+    assert eva0[0] > 1.0 and all(1.0 <= f <= 2.0 for f in eva0)  # then the guard may pause:
+    # the requests repeat one random image
