@@ -241,8 +241,10 @@ def encode_state(state: AdaptState, fingerprint: str, info: dict[str, Any]) -> b
     scalars = {
         f.name: getattr(state, f.name) for f in fields(state) if f.name not in _ARRAY_FIELDS
     }
-    for name in _SATURATING:
-        scalars[name] = min(int(scalars[name]), COUNT_LIMIT)
+    for name in _SATURATING:  # a forged non-integer is written as it is: the reader refuses it
+        value = scalars[name]
+        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+            scalars[name] = min(int(value), COUNT_LIMIT)
     meta = {
         "version": STATE_VERSION,
         "fingerprint": fingerprint,
