@@ -23,8 +23,7 @@ def namespace(array: Any) -> ModuleType:
 
 def to_host(array: Any) -> np.ndarray:
     """``array`` as a NumPy array (a device array is copied back; a host one is returned)."""
-    return array.get() if hasattr(array, "get") and namespace(array) is not np else \
-        np.asarray(array)
+    return np.asarray(array) if namespace(array) is np else array.get()
 
 
 def cupy_or_none() -> ModuleType | None:

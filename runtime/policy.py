@@ -341,7 +341,7 @@ class Policy:
         """StateError unless the state was written by this method (its ``info``; a state with
         no method named, from a version before it was written, is taken): a NoAdapt server
         never serves an adapted theta, a ZOA server never steps on from an EVA-0 state."""
-        written = info.get("method") if isinstance(info, dict) else None
+        written = info.get("method")  # decode_state hands a dict, empty when the file had none
         if written is not None and written != self.method:
             raise StateError(f"state method {written!r} is not this server's {self.method!r}: "
                              f"load it where --method {written} runs")
