@@ -26,7 +26,7 @@ survives a restart; ``reset`` empties it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -47,8 +47,10 @@ SCALARS = ("shift_sq", "shift_weight", "stat_weight", "last_used", "samples")
 class Memory:
     """One segment's adapted state. key: [6] descriptor means then variances; theta: [P]
     float32; shift_mean: [D] (empty without a shift); moments: [K + 2F] the centre, mean and
-    second moment; the scalars as :data:`SCALARS` name them (``samples``: the segment's length
-    in samples, ``last_used``: the bank's clock when it was last stored or recalled)."""
+    second moment; shift_classes: [K] the shift window's class mix (empty unless the shift
+    corrects for label shift); the scalars as :data:`SCALARS` name them (``samples``: the
+    segment's length in samples, ``last_used``: the bank's clock when it was last stored or
+    recalled)."""
 
     key: np.ndarray
     theta: np.ndarray
@@ -59,6 +61,7 @@ class Memory:
     stat_weight: float
     last_used: float
     samples: float
+    shift_classes: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
 
 class DomainBank:
@@ -129,6 +132,7 @@ class DomainBank:
         state.bank_moments = _joined([m.moments for m in memories])
         state.bank_scalars = _joined([
             np.array([getattr(m, name) for name in SCALARS]) for m in memories])
+        state.bank_shift_classes = _joined([m.shift_classes for m in memories])
 
     @classmethod
     def read(cls, state: AdaptState, slots: int, threshold: float, shift_width: int) -> DomainBank:
@@ -143,10 +147,12 @@ class DomainBank:
         shifts = state.bank_shift.reshape(count, shift_width)
         moments = state.bank_moments.reshape(count, moments_width)
         scalars = state.bank_scalars.reshape(count, len(SCALARS))
+        mixes = state.bank_shift_classes.reshape(count, -1)
         for i in range(count):
             values = dict(zip(SCALARS, map(float, scalars[i]), strict=True))
             bank.memories.append(Memory(keys[i].copy(), thetas[i].astype(np.float32),
-                                        shifts[i].copy(), moments[i].copy(), **values))
+                                        shifts[i].copy(), moments[i].copy(), **values,
+                                        shift_classes=mixes[i].copy()))
         bank.clock = float(scalars[:, SCALARS.index("last_used")].max())
         return bank
 
@@ -170,6 +176,7 @@ def bank_sizes(num_params: int, num_features: int, num_classes: int) -> dict[str
         "bank_shift": MAX_BANK_SLOTS * num_features,
         "bank_moments": MAX_BANK_SLOTS * (num_classes + 2 * num_features),
         "bank_scalars": MAX_BANK_SLOTS * len(SCALARS),
+        "bank_shift_classes": MAX_BANK_SLOTS * num_classes,
     }
 
 
@@ -198,8 +205,17 @@ def check_bank(
         if size != count * width:
             raise StateError(f"state {name} has {size} values; {count} slots of this model "
                              f"need {count * width}")
+    mixes = state.bank_shift_classes
+    if mixes.size not in (0, count * num_classes):
+        raise StateError(f"state bank_shift_classes has {mixes.size} values; {count} slots of "
+                         f"this model need {count * num_classes} (or none)")
     if not count:
         return
+    if mixes.size:
+        rows = mixes.reshape(count, num_classes)
+        if (rows < 0).any() or (np.abs(rows.sum(axis=1) - 1.0) > 1e-6).any():
+            raise StateError("state bank_shift_classes holds a row that is not a class mix "
+                             "(values >= 0 summing to 1)")
     width = len(DESCRIPTORS)
     if (keys.reshape(count, KEY_WIDTH)[:, width:] <= 0).any():
         raise StateError("state bank_keys holds a descriptor variance <= 0")

@@ -27,7 +27,10 @@ def source_statistics(
     ``skip_bad``, an undecodable image file is left out and named in ``stream.skipped``):
     ``source_mean`` / ``source_std`` [F] of the alignment features and, when the classifier
     head can be read from the graph (:mod:`.head`), ``head_input_mean`` [D], the mean input of
-    the classifier (what activation shifting moves toward)."""
+    the classifier (what activation shifting moves toward), and ``head_input_class_means``
+    [K, D], its mean over the images of each class the file predicts at theta0 (the images are
+    unlabelled; a class none is predicted as takes the overall mean): what the shift's
+    label-shift correction compares a stream's class mix with (:mod:`.shift`)."""
     metadata = session.metadata
     try:
         head: LinearHead | None = read_head(load_onnx(session.path), metadata)
@@ -38,6 +41,9 @@ def source_statistics(
     total = np.zeros(metadata.num_features, dtype=np.float64)
     total_sq = np.zeros_like(total)
     head_total = np.zeros(head.width if head else 0, dtype=np.float64)
+    classes = metadata.num_classes if head is not None else 0
+    class_totals = np.zeros((classes, head.width if head else 0), dtype=np.float64)
+    class_counts = np.zeros(classes, dtype=np.int64)
     count = 0
     for _, x, _ in progress_bar(
         stream.batches(batch_size, skip_bad=skip_bad), total=-(-len(stream) // batch_size),
@@ -50,7 +56,11 @@ def source_statistics(
         total += features.sum(axis=0)
         total_sq += (features**2).sum(axis=0)
         if head is not None:
-            head_total += head.head_input(features).sum(axis=0)
+            h = head.head_input(features)
+            head_total += h.sum(axis=0)
+            predicted = (h @ head.weight.T + head.bias).argmax(axis=1)
+            np.add.at(class_totals, predicted, h)
+            class_counts += np.bincount(predicted, minlength=classes)
         count += x.shape[0]
     if count < 2:
         raise ValueError("calibration needs at least 2 images")
@@ -58,7 +68,12 @@ def source_statistics(
     std = np.sqrt(np.maximum(total_sq / count - mean**2, 0.0))
     stats = {"source_mean": mean.astype(np.float32), "source_std": std.astype(np.float32)}
     if head is not None:
-        stats["head_input_mean"] = (head_total / count).astype(np.float32)
+        head_mean = head_total / count
+        seen = class_counts > 0
+        class_means = np.broadcast_to(head_mean, class_totals.shape).copy()
+        class_means[seen] = class_totals[seen] / class_counts[seen, None]
+        stats["head_input_mean"] = head_mean.astype(np.float32)
+        stats["head_input_class_means"] = class_means.astype(np.float32).reshape(-1)
     return stats
 
 
@@ -76,16 +91,21 @@ def write_source_stats(
     mean: np.ndarray,
     std: np.ndarray,
     head_mean: np.ndarray | None = None,
+    head_class_means: np.ndarray | None = None,
 ) -> Path:
     """Copy ``model_path`` to ``output`` (may be the same file) with source_mean/std (and
-    head_input_mean, when given) set; eva0 leaves a source-free setup the file may have
-    (:func:`.sourcefree.drop_source_free_eva0`: it aligns and shifts to the source again)."""
+    head_input_mean [D] and head_input_class_means [K x D, flat], when given) set; eva0 leaves
+    a source-free setup the file may have (:func:`.sourcefree.drop_source_free_eva0`: it aligns
+    and shifts to the source again)."""
     model = load_onnx(model_path)
     metadata = drop_source_free_eva0(read_metadata(model))
     metadata.arrays["source_mean"] = np.asarray(mean, dtype=np.float32)
     metadata.arrays["source_std"] = np.asarray(std, dtype=np.float32)
     if head_mean is not None:
         metadata.arrays["head_input_mean"] = np.asarray(head_mean, dtype=np.float32)
+    if head_class_means is not None:
+        metadata.arrays["head_input_class_means"] = np.asarray(head_class_means,
+                                                               dtype=np.float32)
     return save_onnx(set_metadata(model, metadata), output)
 
 
@@ -107,7 +127,7 @@ def calibrate_with_images(
                          metadata.preprocessing)
     stats = source_statistics(session, stream, batch_size, progress=progress)
     return write_source_stats(model_path, model_path, stats["source_mean"], stats["source_std"],
-                              stats.get("head_input_mean"))
+                              stats.get("head_input_mean"), stats.get("head_input_class_means"))
 
 
 def sample_pixels(

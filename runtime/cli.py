@@ -223,7 +223,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> None:
     stats = source_statistics(session, stream, args.batch_size, progress=not args.quiet,
                               skip_bad=True)
     write_source_stats(args.model, args.output, stats["source_mean"], stats["source_std"],
-                       stats.get("head_input_mean"))
+                       stats.get("head_input_mean"), stats.get("head_input_class_means"))
     used = len(stream) - len(stream.skipped)
     print(f"wrote {args.output}: source statistics of {metadata.num_features} features "
           f"from {used} images" + stream.skipped_summary())

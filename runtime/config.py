@@ -81,6 +81,11 @@ class AdaptConfig:
     input (0 = off; FOA: 1), the test mean a window of the last ``shift_window`` samples (FOA's
     EMA: 1216); ``shift_max``: the window restarts, unshifted, when ||source mean - test mean||
     exceeds it (None = unbounded). Needs the file's source statistics.
+    ``shift_prior_window``: the label-shift correction (a file calibrated with the per-class
+    source means, ``head_input_class_means``): the gap to the source is taken at the class mix
+    the stream has over its last ``shift_prior_window`` samples rather than at the mix of the
+    shift's own window, so a run of one class (a camera watching one object) is not moved off
+    that class (None = off: the window's mean against the source mean, as FOA).
 
     Source-free activation shift (:class:`~.shift.SourceFreeShift`, for a file without source
     statistics: EVA-0-dagger's): ``free_shift`` x the offset that makes the windowed mean logit
@@ -139,6 +144,7 @@ class AdaptConfig:
     activation_shift: float = 0.0
     shift_window: float = 1216.0
     shift_max: float | None = None
+    shift_prior_window: float | None = 1024.0
     free_shift: float = 0.0
     free_shift_margin: float = 0.0
     bank_slots: int = 0
@@ -236,6 +242,9 @@ def engine_config(
         raise ValueError("need 0 <= alpha < 1 and 0 <= momentum < 1")
     if config.activation_shift < 0 or config.shift_window < 1:
         raise ValueError("need activation_shift >= 0 (0: off) and shift_window >= 1 sample")
+    if config.shift_prior_window is not None and config.shift_prior_window < 1:
+        raise ValueError("need shift_prior_window >= 1 sample (or None: no label-shift "
+                         "correction)")
     if config.free_shift < 0:
         raise ValueError("need free_shift >= 0 (0: off)")
     if config.activation_shift > 0 and not metadata.has_source_stats:

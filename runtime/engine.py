@@ -314,12 +314,17 @@ class Engine:
         st = self.state
         width = 0 if self.shift is None else self.shift.head.width
         weight = st.shift_weight if st.shift_mean.size == width else 0.0
+        classes = st.center.size if self.shift is not None and \
+            self.shift.corrects_label_shift else 0
+        mix = st.shift_classes.copy() if weight and st.shift_classes.size == classes else \
+            np.full(classes, 1.0 / max(classes, 1))
         return Memory(
             key=key.copy(), theta=st.theta.copy(),
             shift_mean=st.shift_mean.copy() if weight else np.zeros(width),
             moments=np.concatenate([st.center, st.mean, st.second_moment]),
             shift_sq=st.shift_sq if weight else 0.0, shift_weight=weight,
             stat_weight=st.stat_weight, last_used=0.0, samples=float(samples),
+            shift_classes=mix,
         )
 
     def recall(self, memory: Memory) -> None:
@@ -338,6 +343,7 @@ class Engine:
         st.stat_weight = memory.stat_weight
         if self.shift is not None and memory.shift_weight > 0:
             st.shift_mean, st.shift_sq = memory.shift_mean.copy(), memory.shift_sq
+            st.shift_classes = memory.shift_classes.copy()
             st.shift_weight = memory.shift_weight
             st.shift_recent_weight = 0.0
 

@@ -23,8 +23,12 @@ def _segments(segments: list[Segment], limit: int) -> list[str]:
 def _source_stats(metadata: ModelMetadata) -> str:
     if not metadata.has_source_stats:
         return "no (lambda = 0 only, no activation shift)"
+    if "head_input_class_means" in metadata.arrays:
+        return ("yes, with the classifier input's mean and per-class means (activation shift, "
+                "label-shift correction)")
     if "head_input_mean" in metadata.arrays:
-        return "yes, with the classifier input's mean (activation shift)"
+        return ("yes, with the classifier input's mean (activation shift; recalibrate for the "
+                "label-shift correction)")
     return "yes (no classifier-input mean: recalibrate for the ViT's activation shift)"
 
 

@@ -18,6 +18,22 @@ restarts empty and nothing is shifted, so such a stream leaves nothing behind fo
 that follow it. With a bound, a window is checked and served only once it holds
 ``BOUND_SAMPLES`` (64) samples' weight: one image is far from any mean. The shipped files learn
 the bound on the validation corruptions (``models/recipes/shift_bound.py``).
+
+Label shift. ``m_source - m_test`` assumes the window holds the classes in the source's mix. In
+a run of one class (a camera watching one object; SAR's class-sorted stream) m_test is that
+class's mean, and the shift moves the run off its own class (the one-forward tier 10-16
+points below NoAdapt on the validation split's class-sorted streams, ``results/label-shift/``).
+Where the file carries the per-class source means
+M [K, D] (``head_input_class_means``, written by ``eva0-edge calibrate``; classes as the file
+predicts them on the clean images) and ``prior_window`` is set, the gap is taken at the
+window's own class mix: ``gap = m_source - m_test + rho (q - pi) @ M`` with q [K] the window's
+predicted class mix (argmax of the unshifted logits), pi [K] the stream's over the last
+``prior_window`` samples (starting balanced) and rho in [0, 1] how far the 32-sample window's
+class mix is from pi beyond its sampling noise (James-Stein's positive part,
+:meth:`ActivationShift.label_persistence`): an i.i.d. stream, whatever its mix, is shifted as
+before (rho near 0, so a corruption that tips the predictions toward a few classes is still
+corrected), a run of one class by the covariate offset alone. Numbers:
+``results/label-shift/`` (``studies/label-shift/label_shift.py``).
 """
 
 from __future__ import annotations
@@ -61,6 +77,19 @@ def source_head_mean(metadata: ModelMetadata, head: LinearHead) -> np.ndarray:
                     "run `eva0-edge calibrate` on this file (it adds head_input_mean)")
 
 
+def source_class_means(metadata: ModelMetadata, head: LinearHead) -> np.ndarray | None:
+    """M [K, D]: the calibrated mean head input per predicted class
+    (``head_input_class_means``), or None when the file was calibrated without it; HeadError
+    when its size does not fit the head."""
+    flat = metadata.arrays.get("head_input_class_means")
+    if flat is None:
+        return None
+    if flat.size != head.weight.size:
+        raise HeadError(f"head_input_class_means holds {flat.size} values, the head reads "
+                        f"{head.weight.shape[0]} x {head.width}")
+    return flat.astype(np.float64).reshape(head.weight.shape)
+
+
 class ActivationShift:
     """The shift of one model: ``strength`` (FOA: 1), ``window`` (samples, >= 1), the head,
     m_source [D] and the bound. Its windows live in the adaptation state (``shift_*`` fields of
@@ -85,7 +114,9 @@ class ActivationShift:
     """
 
     def __init__(self, head: LinearHead, source_mean: np.ndarray, strength: float,
-                 window: float, max_distance: float | None = None) -> None:
+                 window: float, max_distance: float | None = None,
+                 class_means: np.ndarray | None = None, prior_window: float | None = None,
+                 ) -> None:
         if window < 1:
             raise ValueError(f"shift_window must be >= 1 sample, got {window}")
         if max_distance is not None and max_distance <= 0:
@@ -96,6 +127,14 @@ class ActivationShift:
         self.factor = window_factor(window)
         self.recent_factor = window_factor(min(RECENT_SAMPLES, window))
         self.max_distance = max_distance
+        if prior_window is not None and prior_window < 1:
+            raise ValueError(f"shift_prior_window must be >= 1 sample (or None: off), got "
+                             f"{prior_window}")
+        if class_means is not None and class_means.shape != head.weight.shape:
+            raise HeadError(f"head_input_class_means has shape {class_means.shape}, the head "
+                            f"is {head.weight.shape}")
+        self.class_means = None if prior_window is None else class_means
+        self.prior_factor = 0.0 if prior_window is None else window_factor(prior_window)
         self.checked_weight = 1 - self.factor ** (
             RECENT_SAMPLES if max_distance is None else BOUND_SAMPLES)
         self.restarts = 0
@@ -135,8 +174,40 @@ class ActivationShift:
         variance = _variance(state)
         if variance < MIN_SPREAD * state.shift_sq:
             return np.zeros(self.head.bias.shape)
-        gap = self.source_mean - state.shift_mean
+        gap = self.gap(state)
         return self.head.weight @ (self.strength * self._shrinkage(state, variance, gap) * gap)
+
+    @property
+    def corrects_label_shift(self) -> bool:
+        """Whether the shift corrects for the class mix (the file's per-class source means and
+        a ``prior_window``; see the module's docstring)."""
+        return self.class_means is not None
+
+    def gap(self, state: AdaptState) -> np.ndarray:
+        """What the shift moves the head input by before its strength and shrinkage [D]:
+        ``m_source - m_test``, plus, when it corrects for label shift,
+        ``(q - pi) @ M`` (q [K] the window's predicted class mix, pi [K] the stream's long-run
+        one, M [K, D] the per-class source means)."""
+        gap = self.source_mean - state.shift_mean
+        classes = 0 if self.class_means is None else self.class_means.shape[0]
+        if not classes or state.shift_classes.size != classes or \
+                state.shift_prior.size != classes:
+            return gap
+        return gap + self.label_persistence(state) * (
+            (state.shift_classes - state.shift_prior) @ self.class_means)
+
+    def label_persistence(self, state: AdaptState) -> float:
+        """rho in [0, 1]: how far the short change window's class mix r [K] is from the
+        stream's long-run one pi beyond what independent draws from pi would put between them,
+        James-Stein's positive part ``max(0, 1 - noise / ||r - pi||^2)`` with noise
+        ``(1 - sum pi^2) / RECENT_SAMPLES`` (the window mean's expected squared error): about 0
+        on an i.i.d. stream, 1 in a run of one class."""
+        recent = state.shift_recent_classes
+        if recent.size != state.shift_prior.size:
+            return 0.0
+        distance = float(((recent - state.shift_prior) ** 2).sum())
+        noise = (1.0 - float(state.shift_prior @ state.shift_prior)) / RECENT_SAMPLES
+        return max(0.0, 1.0 - noise / max(distance, 1e-30))
 
     def _shrinkage(self, state: AdaptState, variance: float, gap: np.ndarray) -> float:
         """James-Stein's positive part: ``max(0, 1 - noise / ||gap||^2)``, noise the window
@@ -163,29 +234,52 @@ class ActivationShift:
         state.shift_weight = state.shift_recent_weight = 0.0
 
     def observe(self, state: AdaptState, features: np.ndarray) -> None:
-        """Add the head inputs of ``features`` [B, F] (stream order) to both windows; empty the
-        long one on a change of stream, and both when the mean is beyond ``max_distance`` from
-        the source's."""
+        """Add the head inputs of ``features`` [B, F] (stream order) to both windows (and, when
+        the shift corrects for label shift, their predicted classes, the argmax of the unshifted
+        logits, to the class mixes); empty the long one on a change of stream, and both when
+        the gap to the source is beyond ``max_distance``."""
         h = self.head.head_input(features)
         squares = (h**2).sum(axis=1, keepdims=True)
         st, width = state, self.head.width
+        classes = 0 if self.class_means is None else self.class_means.shape[0]
         if not st.shift_mean.size or st.shift_weight == 0:
             st.shift_mean, st.shift_sq, st.shift_weight = np.zeros(width), 0.0, 0.0
+            st.shift_classes = np.zeros(classes)
         if not st.shift_recent.size or st.shift_recent_weight == 0:
             st.shift_recent, st.shift_recent_sq, st.shift_recent_weight = np.zeros(width), 0.0, 0.0
+            st.shift_recent_classes = np.zeros(classes)
         moments = np.concatenate([h, squares], axis=1)
-        long, st.shift_weight = windowed_update(
-            np.append(st.shift_mean, st.shift_sq), st.shift_weight, moments, self.factor)
-        recent, st.shift_recent_weight = windowed_update(
-            np.append(st.shift_recent, st.shift_recent_sq), st.shift_recent_weight, moments,
-            self.recent_factor)
+        if classes:
+            predicted = np.eye(classes)[(h @ self.head.weight.T + self.head.bias).argmax(axis=1)]
+            if st.shift_classes.size != classes:  # a window from a file without the correction
+                st.shift_classes = np.full(classes, 1.0 / classes)
+            if st.shift_prior.size != classes:  # a fresh stream: its classes balanced
+                st.shift_prior = np.full(classes, 1.0 / classes)
+            st.shift_prior = windowed_update(st.shift_prior, 1.0, predicted, self.prior_factor)[0]
+            long, st.shift_weight = windowed_update(
+                np.concatenate([st.shift_mean, [st.shift_sq], st.shift_classes]),
+                st.shift_weight, np.concatenate([moments, predicted], axis=1), self.factor)
+            st.shift_classes, long = long[width + 1:], long[:width + 1]
+            if st.shift_recent_classes.size != classes:
+                st.shift_recent_classes = np.full(classes, 1.0 / classes)
+            recent, st.shift_recent_weight = windowed_update(
+                np.concatenate([st.shift_recent, [st.shift_recent_sq], st.shift_recent_classes]),
+                st.shift_recent_weight, np.concatenate([moments, predicted], axis=1),
+                self.recent_factor)
+            st.shift_recent_classes, recent = recent[width + 1:], recent[:width + 1]
+        else:
+            long, st.shift_weight = windowed_update(
+                np.append(st.shift_mean, st.shift_sq), st.shift_weight, moments, self.factor)
+            recent, st.shift_recent_weight = windowed_update(
+                np.append(st.shift_recent, st.shift_recent_sq), st.shift_recent_weight, moments,
+                self.recent_factor)
         st.shift_mean, st.shift_sq = long[:-1], float(long[-1])
         st.shift_recent, st.shift_recent_sq = recent[:-1], float(recent[-1])
         if self._changed(st):
             self.changes += 1
             st.shift_weight = 0.0
         elif self.max_distance is not None and st.shift_weight >= self.checked_weight and \
-                np.linalg.norm(self.source_mean - st.shift_mean) > self.max_distance:
+                np.linalg.norm(self.gap(st)) > self.max_distance:
             self.restarts += 1
             self.restart(st)
 
@@ -270,14 +364,17 @@ def _check_head(session: AdaptableSession, head: LinearHead, what: str) -> None:
 
 
 def load_shift(
-    session: AdaptableSession, strength: float, window: float, max_distance: float | None = None
+    session: AdaptableSession, strength: float, window: float, max_distance: float | None = None,
+    prior_window: float | None = None,
 ) -> ActivationShift:
-    """Read the head of ``session``'s file, check it (:func:`_check_head`) and build the shift;
-    HeadError when the file's head cannot be shifted."""
+    """Read the head of ``session``'s file, check it (:func:`_check_head`) and build the shift
+    (correcting for label shift over ``prior_window`` samples when the file has the per-class
+    source means); HeadError when the file's head cannot be shifted."""
     head = cached_head(session.path, session.metadata)
     source_mean = source_head_mean(session.metadata, head)
     _check_head(session, head, "activation shifting")
-    return ActivationShift(head, source_mean, strength, window, max_distance)
+    return ActivationShift(head, source_mean, strength, window, max_distance,
+                           source_class_means(session.metadata, head), prior_window)
 
 
 def load_free_shift(
@@ -303,7 +400,7 @@ def configured_shift(
     try:
         if config.activation_shift > 0:
             return load_shift(session, config.activation_shift, config.shift_window,
-                              config.shift_max)
+                              config.shift_max, config.shift_prior_window)
         if config.free_shift > 0:
             return load_free_shift(session, config.free_shift, config.shift_window,
                                    config.free_shift_margin)

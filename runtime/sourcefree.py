@@ -30,8 +30,9 @@ from .registry import SOURCE_FREE_SHIFT
 from .session import AdaptableSession
 from .shift import load_free_shift
 
-# the arrays calibration on clean images writes (source feature moments, source head mean)
-SOURCE_ARRAYS = ("source_mean", "source_std", "head_input_mean")
+# the arrays calibration on clean images writes (source feature moments, source head mean and
+# per-class means)
+SOURCE_ARRAYS = ("source_mean", "source_std", "head_input_mean", "head_input_class_means")
 # what calibration and the guard / shift fitting write besides the arrays
 _CALIBRATED_EVA0 = ("activation_shift", "shift_max", "shift_window", "guard")
 # the family-independent default of the source-free shift (eva0-dagger's own overrides)

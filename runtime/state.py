@@ -29,14 +29,18 @@ import numpy as np
 
 from .atomic import atomic_write_bytes
 
-STATE_VERSION = 4
+STATE_VERSION = 5
 _REQUIRED_ARRAYS = (
     "theta", "anchor", "center", "mean", "second_moment", "velocity", "healthy_theta",
 )
 # the domain bank's slots, one after the other (runtime.bank); absent from version-3 files
-BANK_ARRAYS = ("bank_keys", "bank_theta", "bank_shift", "bank_moments", "bank_scalars")
-# absent from version-2 files (the shift windows), and version-3 ones (the bank)
-_OPTIONAL_ARRAYS = ("shift_mean", "shift_recent", *BANK_ARRAYS)
+BANK_ARRAYS = ("bank_keys", "bank_theta", "bank_shift", "bank_moments", "bank_scalars",
+               "bank_shift_classes")
+# the activation shift's class mixes (runtime.shift); absent from version-4 files
+SHIFT_CLASS_ARRAYS = ("shift_classes", "shift_recent_classes", "shift_prior")
+# absent from version-2 files (the shift windows), version-3 ones (the bank) and version-4
+# ones (the class mixes)
+_OPTIONAL_ARRAYS = ("shift_mean", "shift_recent", *SHIFT_CLASS_ARRAYS, *BANK_ARRAYS)
 # float32, as stored
 _PARAMETER_ARRAYS = ("theta", "anchor", "velocity", "healthy_theta", "bank_theta")
 _ARRAY_FIELDS = (*_REQUIRED_ARRAYS, *_OPTIONAL_ARRAYS)
@@ -51,6 +55,7 @@ COUNT_LIMIT = 2**53
 _SATURATING = ("step", "skipped", "clipped_coefs", "clipped_steps", "guard_trips")
 _WEIGHTS = (  # floats in [0, 1]
     "stat_weight", "coef_weight", "shift_weight", "shift_recent_weight", "budget_fill",
+
 )
 _MAGNITUDES = (
     "coef_scale", "balance_in", "balance_out", "anchor_credit", "shift_sq", "shift_recent_sq",
@@ -78,9 +83,13 @@ class AdaptState:
     shift_mean, shift_sq, shift_weight: the activation shift's windowed test-time mean of the
     head input [D] (float64; empty until the shift is used), mean squared norm and weight;
     shift_recent, shift_recent_sq, shift_recent_weight: the same over its short change window.
+    shift_classes, shift_prior: the predicted class mix [K] of the shift's long window (weight
+    shift_weight) and of the stream's long run (starts balanced); empty unless the shift corrects
+    for label shift; shift_recent_classes: the class mix of the short change window.
     budget_fill: the compute budget's credit as a share of its bucket (1 = full; :mod:`.budget`).
-    bank_keys, bank_theta, bank_shift, bank_moments, bank_scalars: the domain bank's slots,
-    flattened one after the other (:mod:`.bank`; empty when it holds none).
+    bank_keys, bank_theta, bank_shift, bank_moments, bank_scalars, bank_shift_classes: the
+    domain bank's slots, flattened one after the other (:mod:`.bank`; empty when it holds none;
+    the class mixes also when the shift does not correct for label shift).
     """
 
     theta: np.ndarray
@@ -110,12 +119,16 @@ class AdaptState:
     shift_recent: np.ndarray = field(default_factory=lambda: np.zeros(0))
     shift_recent_sq: float = 0.0
     shift_recent_weight: float = 0.0
+    shift_classes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    shift_recent_classes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    shift_prior: np.ndarray = field(default_factory=lambda: np.zeros(0))
     budget_fill: float = 1.0
     bank_keys: np.ndarray = field(default_factory=lambda: np.zeros(0))
     bank_theta: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
     bank_shift: np.ndarray = field(default_factory=lambda: np.zeros(0))
     bank_moments: np.ndarray = field(default_factory=lambda: np.zeros(0))
     bank_scalars: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    bank_shift_classes: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @classmethod
     def initial(cls, theta0: np.ndarray, num_classes: int, num_features: int, seed: int):
@@ -161,7 +174,8 @@ class AdaptState:
         optional = {"coef_scale", "coef_weight", "clipped_coefs", "clipped_steps",
                     "guard_trips", "pause_left", "frozen", "shift_mean", "shift_weight",
                     "shift_sq", "shift_recent", "shift_recent_sq", "shift_recent_weight",
-                    "budget_fill", *BANK_ARRAYS}
+                    "budget_fill",
+                    *SHIFT_CLASS_ARRAYS, *BANK_ARRAYS}
         missing = sorted(set(names) - optional - set(values))
         if missing:
             raise StateError(f"state lacks {missing}")
@@ -192,6 +206,9 @@ def _checked_array(name: str, value: Any) -> np.ndarray:
         raise StateError(f"state {name} holds NaN or infinite values")
     if name == "second_moment" and (array < 0).any():
         raise StateError("state second_moment holds negative values")
+    if name in SHIFT_CLASS_ARRAYS and array.size and (
+            (array < 0).any() or abs(float(array.sum()) - 1.0) > 1e-6):
+        raise StateError(f"state {name} must be a class mix: values >= 0 summing to 1")
     if name in _PARAMETER_ARRAYS:  # the engine computes in float32: the values must fit it
         if array.size and np.abs(array).max() > np.finfo(np.float32).max:
             raise StateError(f"state {name} holds values beyond float32's range")
@@ -234,10 +251,10 @@ def _digest(arrays: dict[str, np.ndarray]) -> str:
 
 def encode_state(state: AdaptState, fingerprint: str, info: dict[str, Any]) -> bytes:
     """Serialise ``state`` (+ model fingerprint and free-form ``info``) to npz bytes; an empty
-    domain bank writes no ``bank_*`` members, so a state without one reads wherever a
-    version-3 state did."""
+    domain bank writes no ``bank_*`` members and a shift without the label-shift correction no
+    class mixes, so such a state reads wherever a version-3 state did."""
     arrays = {name: getattr(state, name) for name in _ARRAY_FIELDS
-              if name not in BANK_ARRAYS or getattr(state, name).size}
+              if name not in (*BANK_ARRAYS, *SHIFT_CLASS_ARRAYS) or getattr(state, name).size}
     scalars = {
         f.name: getattr(state, f.name) for f in fields(state) if f.name not in _ARRAY_FIELDS
     }

@@ -84,6 +84,11 @@ class StateLimits:
             if self.shift_width is not None and size not in (0, self.shift_width):
                 raise StateError(f"this state is for another model: state {name} has {size} "
                                  f"values, this model's head input {self.shift_width}")
+        for name in ("shift_classes", "shift_recent_classes", "shift_prior"):
+            size = getattr(state, name).size
+            if size not in (0, state.center.size):
+                raise StateError(f"this state is for another model: state {name} has {size} "
+                                 f"values, this model has {state.center.size} classes")
         theta0 = self.theta0.astype(np.float64)
         for name in ("theta", "anchor", "healthy_theta"):
             distance = float(np.linalg.norm(getattr(state, name) - theta0))
@@ -190,5 +195,7 @@ def state_sizes(metadata: ModelMetadata) -> dict[str, int]:
         "center": md.num_classes, "mean": md.num_features, "second_moment": md.num_features,
         "shift_mean": md.num_features,  # at most: the head input is one feature segment
         "shift_recent": md.num_features,
+        "shift_classes": md.num_classes, "shift_recent_classes": md.num_classes,
+        "shift_prior": md.num_classes,
         **bank_sizes(md.num_params, md.num_features, md.num_classes),
     }
