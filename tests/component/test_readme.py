@@ -75,7 +75,7 @@ def test_the_gpu_tables_are_the_committed_gpu_run():
     budget = ROOT / "results" / "h100-budget" / "3-subgrid"
     assert (budget / "gpu.md").read_text().strip() in text
     assert "results/h100-budget/3-subgrid/" in text
-    for run in ("first", "final", "head"):  # the device step on an H200
+    for run in ("first", "final", "head", "head-layers"):  # the device step on an H200
         folder = ROOT / "results" / "h200-2026-12-04" / run
         assert (folder / "gpu.md").read_text().strip() in text
         assert f"results/h200-2026-12-04/{run}/" in text
