@@ -49,21 +49,19 @@ def dashboard() -> dict[str, Any]:
     return json.loads(DASHBOARD.read_text())
 
 
-def dashboard_expressions(node: Any = None) -> list[str]:
+def dashboard_expressions() -> list[str]:
     """Every PromQL expression of the dashboard (panel targets and annotations), its Grafana
     variables as :data:`GRAFANA_VARIABLES` sets them."""
-    node = dashboard() if node is None else node
-    found: list[str] = []
+    return [grafana_substituted(expr) for expr in _expressions(dashboard())]
+
+
+def _expressions(node: Any) -> list[str]:
     if isinstance(node, dict):
-        for key, value in node.items():
-            if key == "expr" and isinstance(value, str):
-                found.append(grafana_substituted(value))
-            else:
-                found += dashboard_expressions(value)
-    elif isinstance(node, list):
-        for item in node:
-            found += dashboard_expressions(item)
-    return found
+        return [e for key, value in node.items() for e in (
+            [value] if key == "expr" and isinstance(value, str) else _expressions(value))]
+    if isinstance(node, list):
+        return [e for item in node for e in _expressions(item)]
+    return []
 
 
 def grafana_substituted(expr: str) -> str:
