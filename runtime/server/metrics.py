@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 from ..monitoring import Health
 from .worker import StepRecord
@@ -24,9 +25,21 @@ class _ExtensionGauges:
             yield GaugeMetricFamily(name, help_text, value=value)
 
 
+class _ModelFamilies:
+    """A collector of the served model's families (:mod:`.model_series`), read from the model
+    on the worker thread at a scrape and handed to :meth:`ServerMetrics.exposition`."""
+
+    def __init__(self) -> None:
+        self.families: list[Metric] = []
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.families
+
+
 class ServerMetrics:
-    """Requests by status, request latency (seconds), rows per step, adaptation steps; and an
-    extension's gauges (``extension_gauges``, read at every scrape)."""
+    """Requests by status, request latency (seconds), rows per step, adaptation steps, the
+    largest batch; an extension's gauges (``extension_gauges``, read at every scrape) and the
+    model's own series (handed to :meth:`exposition`)."""
 
     def __init__(
         self, max_batch: int,
@@ -35,6 +48,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         if extension_gauges is not None:
             self.registry.register(_ExtensionGauges(extension_gauges))
+        self._model = _ModelFamilies()
+        self.registry.register(self._model)
         self.requests = Counter(
             "eva0_requests", "Inference requests by HTTP status", ["status"],
             registry=self.registry,
@@ -91,6 +106,11 @@ class ServerMetrics:
             "eva0_adapting", "1 while adapting, 0 while frozen or paused by the guard",
             registry=self.registry,
         )
+        self.max_batch_rows = Gauge(
+            "eva0_max_batch_rows", "Most rows per adaptation step and per request (--max-batch)",
+            registry=self.registry,
+        )
+        self.max_batch_rows.set(max_batch)
 
     def record_step(self, record: StepRecord, health: Health) -> None:
         """One step: its record and the model's health counters after it."""
@@ -107,6 +127,8 @@ class ServerMetrics:
         self.step_seconds.observe(record.seconds)
         self.drift.set(health.drift)
 
-    def exposition(self) -> bytes:
-        """The text exposition format."""
+    def exposition(self, model_families: list[Metric]) -> bytes:
+        """The text exposition format, with ``model_families`` (:func:`.model_series.
+        model_families`, read on the worker thread for this scrape)."""
+        self._model.families = model_families
         return generate_latest(self.registry)

@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from ..policy import Policy
 from ..state import StateError
 from .context import ServerContext, admin_check, error_response, finite_stats
+from .model_series import model_families
 from .protocol import ProtocolError
 
 FREEZE_BODY_LIMIT = 1024  # bytes: {"frozen": false} and some whitespace
@@ -121,6 +122,9 @@ def metrics_router(ctx: ServerContext) -> APIRouter:
 
     @router.get("/metrics")
     async def prometheus() -> Response:
-        return Response(ctx.metrics.exposition(), media_type="text/plain; version=0.0.4")
+        """The server's metrics and the model's own series, read between two batches (on the
+        worker thread, as the statistics route reads them)."""
+        families = await ctx.on_worker(model_families)
+        return Response(ctx.metrics.exposition(families), media_type="text/plain; version=0.0.4")
 
     return router
