@@ -6,7 +6,7 @@ STAMP := $(VENV)/.eva0-edge-installed
 
 FMNIST := /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz
 
-.PHONY: blackbox setup data demo perf-analyzer test test-fast lint mutate tables tables-bn tune-bnstats sweep hostile budget pareto layers quant tune FORCE
+.PHONY: blackbox setup dashboard-assets data demo perf-analyzer test test-fast lint mutate tables tables-bn tune-bnstats sweep hostile budget pareto layers quant tune FORCE
 
 # A strict editable install: a link tree mirrors the import names (eva0_edge.runtime ->
 # runtime/, ...), so static tools (mypy, IDEs) resolve them too; the tree is rebuilt when the
@@ -19,13 +19,29 @@ $(SOURCE_LIST): FORCE
 	@mkdir -p $(VENV)
 	@echo "$(SOURCES)" | cmp -s - $@ || echo "$(SOURCES)" > $@
 
-$(STAMP): pyproject.toml constraints.txt $(SOURCE_LIST)
+$(STAMP): pyproject.toml constraints.txt $(SOURCE_LIST) $(DASHBOARD_STAMP)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev,bench]" \
 		--config-settings editable_mode=strict
 	touch $@
 
 FORCE:
+
+# The dashboard's chart library (uPlot) from the npm registry, as dashboard/package-lock.json
+# pins it, copied into the package (runtime/server/static/, not in git) before the install
+# packs it: the server needs no build step and nothing from outside at run time.
+DASHBOARD_STATIC := runtime/server/static
+DASHBOARD_STAMP := $(DASHBOARD_STATIC)/.copied
+UPLOT_DIST := dashboard/node_modules/uplot/dist
+
+$(DASHBOARD_STAMP): dashboard/package.json dashboard/package-lock.json
+	npm ci --prefix dashboard --no-audit --no-fund --ignore-scripts
+	mkdir -p $(DASHBOARD_STATIC)
+	cp $(UPLOT_DIST)/uPlot.iife.min.js $(UPLOT_DIST)/uPlot.min.css $(DASHBOARD_STATIC)/
+	cp dashboard/node_modules/uplot/LICENSE $(DASHBOARD_STATIC)/uPlot.LICENSE
+	touch $@
+
+dashboard-assets: $(DASHBOARD_STAMP)
 
 setup: $(STAMP)
 
