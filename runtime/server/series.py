@@ -16,7 +16,8 @@ idles) and holds, as of its end:
   guard's counters (``trips``, ``audits``, ``verdicts_*``), the input detector's
   ``input_changes``, the activation shift's ``shift_changes`` and the domain bank's
   ``bank_hits``;
-* the guard's state (:func:`guard_state`).
+* the guard's state (:func:`guard_state`) at its end, and every state its batches left the
+  guard in (``guard_states_seen``: a pause shorter than the interval is not missed).
 
 Recording costs the request path O(1) (:meth:`AdaptationSeries.record_request`, a lock and a
 few additions); a point closes on the worker thread after a served batch once its interval is
@@ -58,7 +59,8 @@ GUARD_STATES = ("adapting", "dueling", "paused", "holding", "frozen", "serving")
 FIELDS = (
     "t", "seconds", "requests", "images", "images_per_s", "latency_p50_ms", "latency_p99_ms",
     "samples", "forwards", "forwards_per_sample", "forwards_per_sample_interval", "budget_fill",
-    "drift", "mean_entropy", "entropy", "alignment", "guard_state", "steps", "trips", "audits",
+    "drift", "mean_entropy", "entropy", "alignment", "guard_state", "guard_states_seen", "steps",
+    "trips", "audits",
     "verdicts_checkpoint", "verdicts_theta0", "verdicts_hold", "input_changes", "shift_changes",
     "bank_hits",
 )
@@ -78,20 +80,20 @@ _EVENT_COUNTERS = (
 )
 
 
-def guard_state(model: Policy, stats: dict[str, Any]) -> str:
-    """What the adaptation does now, one of :data:`GUARD_STATES`: ``frozen`` (an admin froze
-    it), ``serving`` (a method or budget that never adapts: one forward per sample),
-    ``holding`` (the guard's last verdict was hold: theta0 serves while its own signals are out
-    of bounds), ``dueling`` (an audit: the current theta, or theta0 at a change of stream,
-    duels the other), ``paused`` (the pause after a trip), else ``adapting``. ``stats``:
-    ``model.stats()``."""
-    if stats.get("frozen"):
+def guard_state(model: Policy) -> str:
+    """What the adaptation does now, one of :data:`GUARD_STATES` (O(1), read on the thread that
+    owns the model): ``frozen`` (an admin froze it), ``serving`` (a method or budget that never
+    adapts: one forward per sample), ``holding`` (the guard's last verdict was hold: theta0
+    serves while its own signals are out of bounds), ``dueling`` (an audit: the current theta,
+    or theta0 at a change of stream, duels the other), ``paused`` (the pause after a trip),
+    else ``adapting``."""
+    if model.model.frozen:
         return "frozen"
     if model.one_forward:
         return "serving"
-    guard = model.guard
-    if not stats.get("paused_samples_left"):
+    if not (model.spec.guard and model.state.pause_left):
         return "adapting"
+    guard = model.guard
     if guard is not None and guard.holding:
         return "holding"
     if guard is not None and guard.auditing:
@@ -119,7 +121,7 @@ def reading(model: Policy, stats: dict[str, Any]) -> dict[str, float]:
         "mean_entropy": _number(stats.get("mean_entropy")),
         "entropy": _number(signals.get("entropy")),
         "alignment": _number(signals.get("alignment")),
-        "guard_state": float(GUARD_STATES.index(guard_state(model, stats))),
+        "guard_state": float(GUARD_STATES.index(guard_state(model))),
         "steps": _number(stats.get("steps")), "trips": _number(guard.get("trips")),
         "audits": _number(guard.get("audits")),
         **{f"verdicts_{v}": _number(verdicts.get(v)) for v in ("checkpoint", "theta0", "hold")},
@@ -194,6 +196,7 @@ class AdaptationSeries:
         self._requests = 0
         self._images = 0
         self._seen = 0  # latencies offered to the reservoir in this point
+        self._states = 0  # the guard states seen after this point's batches (bit i: state i)
 
     # ------------------------------------------------------------ the request path
     def record_request(self, seconds: float, rows: int) -> None:
@@ -214,8 +217,9 @@ class AdaptationSeries:
         return self._clock() - self._start >= self.interval_s
 
     def close_if_due(self, model: Policy) -> None:
-        """Close the open point if its interval is over (on the worker thread: after a served
-        batch, or when the series is read)."""
+        """Note the guard's state, and close the open point if its interval is over (on the
+        worker thread: after a served batch, or when the series is read)."""
+        self._states |= 1 << GUARD_STATES.index(guard_state(model))
         if self.due():
             self.close(model)
 
@@ -240,6 +244,7 @@ class AdaptationSeries:
                 "images": float(self._images), "images_per_s": self._images / seconds,
                 "latency_p50_ms": float(p50), "latency_p99_ms": float(p99),
                 "forwards_per_sample_interval": _interval_rate(values, previous),
+                "guard_states_seen": float(self._states | 1 << int(values["guard_state"])),
             }
             row = self._ring[self._next]
             row[:] = np.nan
@@ -275,7 +280,8 @@ class AdaptationSeries:
     # ------------------------------------------------------------ reading
     def points_since(self, since: float | None = None) -> dict[str, list[float | None]]:
         """The points with ``t`` > ``since`` (all without), oldest first, as columns by field
-        (NaN as None, counts as integers, ``guard_state`` as its name)."""
+        (NaN as None, counts as integers, ``guard_state`` as its name, ``guard_states_seen``
+        as the names of the states the point's batches left the guard in, its end's too)."""
         with self._lock:
             order = (np.arange(self._count) + self._next - self._count) % self.capacity
             rows = self._ring[order]
@@ -286,6 +292,10 @@ class AdaptationSeries:
             values = rows[:, _COLUMN[name]].tolist()
             if name == "guard_state":
                 columns[name] = [None if math.isnan(v) else GUARD_STATES[int(v)] for v in values]
+            elif name == "guard_states_seen":
+                columns[name] = [[] if math.isnan(v) else [
+                    state for i, state in enumerate(GUARD_STATES) if int(v) >> i & 1]
+                    for v in values]
             elif name in COUNTS:
                 columns[name] = [None if math.isnan(v) else int(v) for v in values]
             else:

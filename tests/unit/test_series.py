@@ -30,7 +30,7 @@ def values(**given: float) -> dict[str, float]:
     """A model reading: every counter 0, drift 0, adapting, unless ``given``."""
     base = {name: 0.0 for name in FIELDS if name not in (
         "t", "seconds", "requests", "images", "images_per_s", "latency_p50_ms",
-        "latency_p99_ms", "forwards_per_sample_interval")}
+        "latency_p99_ms", "forwards_per_sample_interval", "guard_states_seen")}
     base["guard_state"] = float(GUARD_STATES.index("adapting"))
     return {**base, **given}
 
@@ -125,6 +125,7 @@ def test_nan_is_null_and_the_state_is_named():
     series.add(values(drift=math.nan, guard_state=float(GUARD_STATES.index("holding"))))
     points = series.points_since()
     assert points["drift"] == [None] and points["guard_state"] == ["holding"]
+    assert points["guard_states_seen"] == [["holding"]]
 
 
 @pytest.mark.parametrize("interval, capacity", [

@@ -28,7 +28,8 @@
     { id: "alignment", title: "Alignment distance", unit: "to the source statistics",
       series: [["alignment", "alignment", "#5d4037"]], bounds: [["alignment_max", "bound"]] },
     { id: "guard", title: "Guard state", unit: "", states: true,
-      series: [["guard_state", "state", "#c62828"]] },
+      series: [["guard_state", "at the end", "#c62828"],
+               ["guard_states_seen", "most severe in the interval", "#f48fb1"]] },
     { id: "changes", title: "Stream changes and bank hits", unit: "since the state began",
       series: [["input_changes", "input changes", "#1565c0"],
                ["shift_changes", "shift changes", "#90a4ae"],
@@ -65,9 +66,11 @@
         draw: [(u) => {
           const [lo, hi] = [u.scales.x.min, u.scales.x.max];
           const ctx = u.ctx;
+          let drawn = 0;
           ctx.save();
           for (const e of state.events) {
             if (e.t < lo || e.t > hi) continue;
+            drawn += 1;
             const [colour, width, dash] = MARKS[e.kind] || ["#000", 1, []];
             const x = Math.round(u.valToPos(e.t, "x", true));
             ctx.strokeStyle = colour;
@@ -79,6 +82,7 @@
             ctx.stroke();
           }
           ctx.restore();
+          u.root.dataset.marks = String(drawn);
         }],
       },
     };
@@ -90,11 +94,17 @@
     caption.append(el("span", { class: "title" }, spec.title));
     if (spec.unit) caption.append(el("span", { class: "unit" }, spec.unit));
     const latest = {};
-    for (const [field, label] of spec.series) {
+    for (const [field, label, colour] of spec.series) {
       const span = el("span", { class: "latest", "data-field": field, "data-value": "null" },
                       label + ": \u2013");
+      span.style.borderBottomColor = colour;
       latest[field] = span;
       caption.append(span);
+    }
+    const bounds = {};
+    for (const [key, label] of spec.bounds || []) {
+      bounds[key] = el("span", { class: "bound", "data-bound": key }, label + ": \u2013");
+      caption.append(bounds[key]);
     }
     figure.append(caption);
     const plot = el("div", { class: "plot" });
@@ -119,9 +129,18 @@
     }
     const width = Math.max(plot.clientWidth || figure.clientWidth - 10, 300);
     const u = new uPlot({ width, height: 180, series, axes, scales, plugins: [marksPlugin()],
-                          legend: { show: true } }, [[]].concat(series.slice(1).map(() => [])),
+                          legend: { show: false } }, [[]].concat(series.slice(1).map(() => [])),
                         plot);
-    charts.push({ spec, u, latest, plot });
+    charts.push({ spec, u, latest, bounds, plot });
+  }
+
+  // a state's code on the chart's axis; of a list of states, the highest (the most severe)
+  function stateCode(value) {
+    if (value === null) return null;
+    if (Array.isArray(value)) {
+      return value.length ? Math.max(...value.map((name) => state.states.indexOf(name))) : null;
+    }
+    return state.states.indexOf(value);
   }
 
   function chartData(spec) {
@@ -129,8 +148,7 @@
     const n = c.t.length;
     const data = [c.t];
     for (const [field] of spec.series) {
-      if (spec.states) data.push(c[field].map((name) => name === null ? null
-                                                 : state.states.indexOf(name)));
+      if (spec.states) data.push(c[field].map(stateCode));
       else data.push(c[field]);
     }
     for (const [key] of spec.bounds || []) {
@@ -154,6 +172,12 @@
         span.textContent = label + ": " + format(value);
       });
     }
+    for (const chart of charts) {
+      for (const [key, label] of chart.spec.bounds || []) {
+        const bound = state.bounds[key];
+        chart.bounds[key].textContent = label + ": " + (bound === null ? "off" : format(bound));
+      }
+    }
     renderLatest();
     renderEvents();
   }
@@ -167,9 +191,10 @@
       const value = last >= 0 ? c[field][last] : null;
       const row = el("tr", { "data-field": field });
       row.append(el("th", {}, field));
-      row.append(el("td", { "data-value": value === null ? "null" : String(value) },
+      const text = Array.isArray(value) ? value.join(",") : value;
+      row.append(el("td", { "data-value": value === null ? "null" : String(text) },
                     field === "t" && value !== null ? new Date(value * 1000).toLocaleTimeString()
-                      : format(value)));
+                      : format(text)));
       body.append(row);
     }
     const images = c.images.reduce((sum, v) => sum + (v || 0), 0);
