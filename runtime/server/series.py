@@ -65,6 +65,9 @@ FIELDS = (
     "bank_hits",
 )
 _COLUMN = {name: i for i, name in enumerate(FIELDS)}
+# the names of the states in each bit set of ``guard_states_seen``
+_STATE_SETS = [[state for i, state in enumerate(GUARD_STATES) if mask >> i & 1]
+               for mask in range(1 << len(GUARD_STATES))]
 # the columns that count (integers in JSON)
 COUNTS = frozenset({
     "requests", "images", "samples", "forwards", "steps", "trips", "audits",
@@ -278,7 +281,7 @@ class AdaptationSeries:
             self._events.append(Event(t, kind, detail))
 
     # ------------------------------------------------------------ reading
-    def points_since(self, since: float | None = None) -> dict[str, list[float | None]]:
+    def points_since(self, since: float | None = None) -> dict[str, list[Any]]:
         """The points with ``t`` > ``since`` (all without), oldest first, as columns by field
         (NaN as None, counts as integers, ``guard_state`` as its name, ``guard_states_seen``
         as the names of the states the point's batches left the guard in, its end's too)."""
@@ -289,17 +292,22 @@ class AdaptationSeries:
             rows = rows[rows[:, _COLUMN["t"]] > since]
         columns: dict[str, list[Any]] = {}
         for name in FIELDS:
-            values = rows[:, _COLUMN[name]].tolist()
+            column = rows[:, _COLUMN[name]]
+            missing = np.isnan(column)
+            values: list[Any]
             if name == "guard_state":
-                columns[name] = [None if math.isnan(v) else GUARD_STATES[int(v)] for v in values]
+                values = [GUARD_STATES[v] for v in _codes(column, missing)]
             elif name == "guard_states_seen":
-                columns[name] = [[] if math.isnan(v) else [
-                    state for i, state in enumerate(GUARD_STATES) if int(v) >> i & 1]
-                    for v in values]
+                values = [_STATE_SETS[v] for v in _codes(column, missing)]
             elif name in COUNTS:
-                columns[name] = [None if math.isnan(v) else int(v) for v in values]
+                values = _codes(column, missing)
             else:
-                columns[name] = [None if math.isnan(v) else v for v in values]
+                values = column.tolist()
+            if missing.any():
+                gap: Any = [] if name == "guard_states_seen" else None
+                for i in np.flatnonzero(missing).tolist():
+                    values[i] = gap
+            columns[name] = values
         return columns
 
     def events_since(self, since: float | None = None) -> list[dict[str, Any]]:
@@ -310,6 +318,11 @@ class AdaptationSeries:
 
     def __len__(self) -> int:
         return self._count
+
+
+def _codes(column: np.ndarray, missing: np.ndarray) -> list[int]:
+    """A column of whole numbers as ints (0 where ``missing``)."""
+    return np.where(missing, 0, column).astype(np.int64).tolist()
 
 
 def _interval_rate(values: dict[str, float], previous: dict[str, float] | None) -> float:
