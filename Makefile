@@ -6,7 +6,7 @@ STAMP := $(VENV)/.eva0-edge-installed
 
 FMNIST := /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz
 
-.PHONY: blackbox setup dashboard-assets data demo perf-analyzer test test-fast lint mutate tables tables-bn tune-bnstats sweep hostile budget pareto layers quant tune FORCE
+.PHONY: blackbox setup dashboard-assets browser data demo perf-analyzer test test-fast lint mutate tables tables-bn tune-bnstats sweep hostile budget pareto layers quant tune FORCE
 
 # A strict editable install: a link tree mirrors the import names (eva0_edge.runtime ->
 # runtime/, ...), so static tools (mypy, IDEs) resolve them too; the tree is rebuilt when the
@@ -57,8 +57,15 @@ demo: setup data
 	$(VENV)/bin/eva0-edge eval --model models/resnet_gn_fmnist.onnx --protocol continual \
 		--severity 5 --limit 1000 --methods noadapt,eva0 --out out/demo
 
-test: setup data perf-analyzer
+test: setup data perf-analyzer browser
 	$(PY) -m pytest -q -ra
+
+# Debian's headless Chromium and its driver, for the dashboard's browser test
+# (tests/integration/test_dashboard.py, Selenium); needs root for apt-get.
+browser: /usr/bin/chromedriver
+
+/usr/bin/chromedriver:
+	apt-get update -qq && apt-get install -y -qq chromium chromium-driver
 
 # Triton's perf_analyzer into .cache/perf-analyzer (tools/perf_analyzer.sh: on glibc < 2.38
 # through Debian 13's loader and libraries, nothing installed system-wide)
