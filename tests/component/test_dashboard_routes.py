@@ -127,3 +127,20 @@ def test_the_series_agrees_with_the_statistics_after_a_stream(asynchronous):
         assert older["points"]["t"] == points["t"][1:]
     finally:
         process.stop()
+
+
+def test_the_guard_state_names_what_the_model_does():
+    from eva0_edge.runtime.server.series import guard_state
+
+    x = uniform_batch(8)
+    served = Policy.load(MODEL, "noadapt", provider="cpu", threads=1)
+    served.step(x)
+    assert guard_state(served) == "serving"
+    model = Policy.load(MODEL, "eva0", provider="cpu", threads=1)
+    model.step(x)
+    assert guard_state(model) == "adapting"
+    model.freeze(True)
+    assert guard_state(model) == "frozen"
+    model.freeze(False)
+    model.state.pause_left = 5  # as a trip leaves it: the guard neither holds nor audits
+    assert guard_state(model) == "paused"
