@@ -6,7 +6,7 @@ STAMP := $(VENV)/.eva0-edge-installed
 
 FMNIST := /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz
 
-.PHONY: blackbox setup data demo perf-analyzer test test-fast lint mutate tables tables-bn tune-bnstats sweep hostile budget pareto layers quant tune FORCE
+.PHONY: blackbox setup dashboard-assets monitoring-tools data demo perf-analyzer test test-fast lint mutate tables tables-bn tune-bnstats sweep hostile budget pareto layers quant tune FORCE
 
 # A strict editable install: a link tree mirrors the import names (eva0_edge.runtime ->
 # runtime/, ...), so static tools (mypy, IDEs) resolve them too; the tree is rebuilt when the
@@ -19,7 +19,23 @@ $(SOURCE_LIST): FORCE
 	@mkdir -p $(VENV)
 	@echo "$(SOURCES)" | cmp -s - $@ || echo "$(SOURCES)" > $@
 
-$(STAMP): pyproject.toml constraints.txt $(SOURCE_LIST)
+# The dashboard's chart library (uPlot) from the npm registry, as dashboard/package-lock.json
+# pins it, copied into the package (runtime/server/static/, not in git) before the install
+# packs it: the server needs no build step and nothing from outside at run time.
+DASHBOARD_STATIC := runtime/server/static
+DASHBOARD_STAMP := $(DASHBOARD_STATIC)/.copied
+UPLOT_DIST := dashboard/node_modules/uplot/dist
+
+$(DASHBOARD_STAMP): dashboard/package.json dashboard/package-lock.json
+	npm ci --prefix dashboard --no-audit --no-fund --ignore-scripts
+	mkdir -p $(DASHBOARD_STATIC)
+	cp $(UPLOT_DIST)/uPlot.iife.min.js $(UPLOT_DIST)/uPlot.min.css $(DASHBOARD_STATIC)/
+	cp dashboard/node_modules/uplot/LICENSE $(DASHBOARD_STATIC)/uPlot.LICENSE
+	touch $@
+
+dashboard-assets: $(DASHBOARD_STAMP)
+
+$(STAMP): pyproject.toml constraints.txt $(SOURCE_LIST) $(DASHBOARD_STAMP)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev,bench]" \
 		--config-settings editable_mode=strict
@@ -41,8 +57,18 @@ demo: setup data
 	$(VENV)/bin/eva0-edge eval --model models/resnet_gn_fmnist.onnx --protocol continual \
 		--severity 5 --limit 1000 --methods noadapt,eva0 --out out/demo
 
-test: setup data perf-analyzer
+test: setup data perf-analyzer monitoring-tools
 	$(PY) -m pytest -q -ra
+
+# Debian's headless Chromium and its driver (the dashboard's browser test,
+# tests/integration/test_dashboard.py, Selenium) and Prometheus with promtool (the alert rules'
+# tests, tests/integration/test_alert_rules.py, test_prometheus.py); needs root for apt-get.
+MONITORING_TOOLS := /usr/bin/chromedriver /usr/bin/prometheus /usr/bin/promtool
+
+monitoring-tools:
+	@missing=; for tool in $(MONITORING_TOOLS); do test -x $$tool || missing=1; done; \
+	if [ -n "$$missing" ]; then \
+		apt-get update -qq && apt-get install -y -qq chromium chromium-driver prometheus; fi
 
 # Triton's perf_analyzer into .cache/perf-analyzer (tools/perf_analyzer.sh: on glibc < 2.38
 # through Debian 13's loader and libraries, nothing installed system-wide)

@@ -1,6 +1,6 @@
-"""The device subcommands of ``eva0-edge``: ``info``, ``calibrate``, ``adapt``, ``serve``, and the
-argparse helpers the tool packages' subcommands share. The dispatcher is :mod:`eva0_edge.cli`;
-nothing here imports torch or the tool packages (exporter, quant, bench).
+"""The device subcommands of ``eva0-edge``: ``info``, ``calibrate``, ``adapt``, ``serve``,
+``top``, and the argparse helpers the tool packages' subcommands share. The dispatcher is
+:mod:`eva0_edge.cli`; nothing here imports torch or the tool packages (exporter, quant, bench).
 """
 
 from __future__ import annotations
@@ -409,6 +409,12 @@ def _serve_fleet(args: argparse.Namespace, model: Policy, options: ServeOptions,
     start_fleet(spec, args.replicas, config, args.host, port, args.ray_address, probe=model)
 
 
+def _cmd_top(args: argparse.Namespace) -> None:
+    from .top import run_top
+
+    run_top(args.url, args.model, args.interval, args.once, args.history)
+
+
 def _is_loopback(host: str) -> bool:
     """Whether binding ``host`` serves this machine only (127.0.0.0/8, ::1, localhost)."""
     import ipaddress
@@ -532,4 +538,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "the default) or adds them (sum: lost 4.8 points on the continual stream "
                    "with 4 replicas, see the README)")
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("top", help="a running server's adaptation over time in the terminal "
+                       "(the dashboard's series)")
+    p.add_argument("--url", required=True, help="the server, http://HOST:PORT")
+    p.add_argument("--model", help="the served model's name (default: the one it serves)")
+    p.add_argument("--interval", type=float, default=1.0, metavar="S",
+                   help="seconds between reads of the series (default %(default)g)")
+    p.add_argument("--history", type=int_in(1, 3600), default=60, metavar="N",
+                   help="points in each sparkline (default %(default)s)")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.set_defaults(func=_cmd_top)
 

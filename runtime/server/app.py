@@ -12,6 +12,8 @@ Endpoints (``{name}`` is the served model's name):
   ``GET .../adaptation/state`` (npz bytes), ``PUT .../adaptation/state`` (npz bytes, verified
   before it replaces anything)
 * ``GET /metrics``
+* the operator's view (:mod:`.routes_dashboard`): ``GET .../adaptation/series`` (the
+  adaptation over time, :mod:`.series`) and ``GET /dashboard`` (the live page charting it)
 
 Errors answer with the protocol's ``{"error": "..."}`` and a 4xx status; nothing that fails
 validation reaches the worker, so bad input never touches the adaptation state.
@@ -20,7 +22,8 @@ Admin endpoints (reset, freeze, GET and PUT state) need ``Authorization: Bearer 
 token is set (``--admin-token`` or ``EVA0_ADMIN_TOKEN``); without a token they are open on a
 loopback bind only, to requests whose ``Host`` names this machine, and answer 403 elsewhere; a
 browser's cross-site ``Origin`` is refused either way (:func:`.context.admin_check`). Inference,
-health, statistics and metrics stay open. No interactive docs or OpenAPI schema are served.
+health, statistics, the series, the dashboard and metrics stay open. No interactive docs or
+OpenAPI schema are served.
 """
 
 from __future__ import annotations
@@ -44,8 +47,10 @@ from .metrics import ServerMetrics
 from .options import ServeOptions
 from .protocol import ProtocolError
 from .routes_adaptation import adaptation_router, metrics_router
+from .routes_dashboard import dashboard_router
 from .routes_oip import oip_router
 from .routes_triton import triton_router
+from .series import AdaptationSeries
 from .snapshots import SnapshotStore
 from .worker import AdaptationWorker, StepRecord
 
@@ -66,6 +71,7 @@ def create_app(
         )
     metrics = ServerMetrics(options.max_batch, extension.gauges if extension else None)
     summary = StepSummary(options.summary_every_s)
+    series = AdaptationSeries()
     snapshots = (
         SnapshotStore(options.state_dir, options.keep_snapshots) if options.state_dir else None
     )
@@ -73,12 +79,14 @@ def create_app(
     def on_step(record: StepRecord) -> None:
         metrics.record_step(record, model.health())
         summary.add(record, model)
+        series.close_if_due(model)
 
     worker = AdaptationWorker(
         model, options.max_batch, options.max_delay_ms / 1000.0, snapshots,
         options.snapshot_every, on_step, options.adaptive_delay, options.asynchronous,
     )
-    ctx = ServerContext(model, options, worker, metrics, snapshots, asyncio.Event(), extension)
+    ctx = ServerContext(model, options, worker, metrics, snapshots, asyncio.Event(), extension,
+                        series=series)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -133,7 +141,7 @@ def create_app(
 
     # Triton's routes first: /v2/models/stats is not the metadata of a model named "stats"
     for router in (triton_router(ctx), oip_router(ctx), adaptation_router(ctx),
-                   metrics_router(ctx)):
+                   metrics_router(ctx), dashboard_router(ctx)):
         app.include_router(router)
     app.state.worker = worker
     return app

@@ -22,6 +22,7 @@ from .inference_stats import InferenceStats
 from .metrics import ServerMetrics
 from .options import ServeOptions
 from .protocol import ProtocolError
+from .series import AdaptationSeries
 from .snapshots import SnapshotStore
 from .worker import AdaptationWorker, StepRecord
 
@@ -177,6 +178,7 @@ class ServerContext:
     extension: ServerExtension | None = None
     non_finite_rows: int = 0
     inference: InferenceStats = field(default_factory=InferenceStats)
+    series: AdaptationSeries = field(default_factory=AdaptationSeries)
 
     def count_non_finite(self, rows: int) -> None:
         """Rows of the model's output that were not finite (statistics and metrics)."""

@@ -44,6 +44,7 @@ def adaptation_router(ctx: ServerContext) -> APIRouter:
         stats = m.stats()
         stats["snapshots_written"] = ctx.snapshots.written if ctx.snapshots else 0
         stats["non_finite_rows"] = ctx.non_finite_rows
+        stats["input_changes"] = m.inputs.changes  # the input change detector's (the series')
         if ctx.options.asynchronous:
             stats["asynchronous"] = ctx.worker.counts()
         return stats

@@ -118,6 +118,7 @@ def oip_router(ctx: ServerContext) -> APIRouter:
             ctx.metrics.requests.labels(str(status)).inc()
             if status == 200:
                 ctx.metrics.latency.observe(elapsed)
+                ctx.series.record_request(elapsed, rows)
             log.debug("infer %s %d %.1f ms", name, status, 1000 * elapsed)
 
     return router

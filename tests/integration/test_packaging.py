@@ -33,6 +33,11 @@ def test_the_wheel_holds_the_product_and_nothing_else(wheel):
             "eva0_edge/runtime/server/app.py", "eva0_edge/exporter/export.py",
             "eva0_edge/quant/qdq.py", "eva0_edge/bench/cli.py",
             "eva0_edge/fleet/app.py"} <= modules
+    server = "eva0_edge/runtime/server/"
+    assert {server + "dashboard/index.html", server + "dashboard/dashboard.js",
+            server + "dashboard/dashboard.css", server + "static/uPlot.iife.min.js",
+            server + "static/uPlot.min.css", server + "static/uPlot.LICENSE"} <= set(names), \
+        "the dashboard's page and uPlot (make setup copies it) are package data"
     top = {n.split("/")[0] for n in names}
     assert top <= {"eva0_edge", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1]
                    + ".dist-info"}, top

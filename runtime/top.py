@@ -1,0 +1,186 @@
+"""``eva0-edge top``: the dashboard's series in a terminal, for a device without a browser.
+
+It reads a running server's ``GET /v2/models/{name}/adaptation/series`` (the whole ring first,
+then ``?since=`` the newest point it has) every ``interval`` seconds and draws, with rich, one
+row per series: its latest value, a sparkline of the last ``history`` points, and its bound;
+then the guard's state and the latest events (trips, verdicts, changes of stream, bank hits).
+``--once`` prints one frame and exits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections import deque
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+SPARKS = "\u2581\u2582\u2583\u2584\u2585\u2586\u2587\u2588"
+EVENTS_SHOWN = 6
+TIMEOUT_S = 10.0
+STATE_STYLES = {"adapting": "bold green", "dueling": "bold yellow", "paused": "bold red",
+                "holding": "bold magenta", "frozen": "bold blue", "serving": "bold cyan"}
+
+# (field, label, unit, bound keys in the answer's "bounds": (lower, upper)): the page's charts
+ROWS: tuple[tuple[str, str, str, tuple[str | None, str | None]], ...] = (
+    ("images_per_s", "images/s", "images/s", (None, None)),
+    ("latency_p50_ms", "latency p50", "ms", (None, None)),
+    ("latency_p99_ms", "latency p99", "ms", (None, None)),
+    ("forwards_per_sample", "forwards/sample", "since start", (None, "budget")),
+    ("forwards_per_sample_interval", "forwards/sample", "this interval", (None, "budget")),
+    ("budget_fill", "budget credit", "share", (None, None)),
+    ("drift", "drift", "||theta - theta0||", (None, "drift_max")),
+    ("entropy", "entropy", "guard window / ln K", ("entropy_min", "entropy_max")),
+    ("alignment", "alignment", "to the source", (None, "alignment_max")),
+    ("input_changes", "input changes", "count", (None, None)),
+    ("shift_changes", "shift changes", "count", (None, None)),
+    ("bank_hits", "bank hits", "count", (None, None)),
+    ("trips", "guard trips", "count", (None, None)),
+)
+
+
+def fetch_json(url: str) -> Any:
+    """GET ``url``'s JSON; ValueError naming the server's error or why it did not answer."""
+    try:
+        with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:  # noqa: S310
+            return json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        try:
+            message = json.loads(err.read()).get("error", "")
+        except (ValueError, AttributeError):
+            message = ""
+        raise ValueError(f"{url}: HTTP {err.code} {message}".rstrip()) from None
+    except (urllib.error.URLError, OSError) as err:
+        raise ValueError(f"{url}: no answer ({getattr(err, 'reason', err)})") from None
+
+
+def check_url(url: str) -> str:
+    """The server's base URL without a trailing slash; ValueError unless http(s)://HOST[:PORT]."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--url must be http://HOST:PORT (the server's), got {url!r}")
+    return url.rstrip("/")
+
+
+def served_model(base: str) -> str:
+    """The name of the model the server serves (Triton's statistics list it)."""
+    return str(fetch_json(f"{base}/v2/models/stats")["model_stats"][0]["name"])
+
+
+def sparkline(values: list[float | None]) -> str:
+    """One block character per value, scaled to the values' range (a space for None)."""
+    numbers = [v for v in values if v is not None and math.isfinite(v)]
+    if not numbers:
+        return " " * len(values)
+    low, high = min(numbers), max(numbers)
+    span = high - low
+    return "".join(
+        " " if v is None or not math.isfinite(v) else
+        SPARKS[0 if span == 0 else min(len(SPARKS) - 1, int((v - low) / span * len(SPARKS)))]
+        for v in values
+    )
+
+
+def fmt(value: Any) -> str:
+    """A number as the terminal shows it (4 significant digits), '-' for none."""
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.4g}"
+
+
+class SeriesView:
+    """The points read so far (the last ``history`` of each field) and the events."""
+
+    def __init__(self, history: int) -> None:
+        self.history = history
+        self.columns: dict[str, deque] = {}
+        self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_SHOWN)
+        self.answer: dict[str, Any] = {}
+        self.last_t: float | None = None
+        self.error: str | None = None  # why the last read failed (the view goes on polling)
+
+    def merge(self, answer: dict[str, Any]) -> None:
+        self.answer = answer
+        for field, values in answer["points"].items():
+            self.columns.setdefault(field, deque(maxlen=self.history)).extend(values)
+        self.events.extend(answer["events"])
+        if answer["points"]["t"]:
+            self.last_t = answer["points"]["t"][-1]
+
+    def latest(self, field: str) -> Any:
+        column = self.columns.get(field)
+        return column[-1] if column else None
+
+    def frame(self) -> Group:
+        """The frame: a header line, the table of series, the latest events."""
+        answer = self.answer
+        state = self.latest("guard_state") or "-"
+        header = Text.assemble(
+            ("eva0-edge top ", "bold"), (str(answer.get("model", "")), ""), "  guard: ",
+            (state, STATE_STYLES.get(state, "")),
+            f"  ({fmt(self.latest('samples'))} samples, {len(self.columns.get('t', ()))} "
+            f"points of {answer.get('interval_s', 0):g} s)",
+        )
+        table = Table(box=None, pad_edge=False, header_style="bold")
+        for column in ("series", "unit", "latest", "history", "bound"):
+            table.add_column(column, justify="right" if column == "latest" else "left",
+                             no_wrap=True)
+        bounds = answer.get("bounds", {})
+        for field, label, unit, (low, high) in ROWS:
+            limits = [f">= {fmt(bounds.get(low))}" if low and bounds.get(low) is not None
+                      else "", f"<= {fmt(bounds.get(high))}" if high and
+                      bounds.get(high) is not None else ""]
+            table.add_row(label, unit, fmt(self.latest(field)),
+                          sparkline(list(self.columns.get(field, ()))),
+                          " ".join(x for x in limits if x))
+        events = Text()
+        for event in reversed(self.events):
+            when = time.strftime("%H:%M:%S", time.localtime(event["t"]))
+            style = "bold red" if event["kind"] == "trip" else ""
+            events.append(f"{when} {event['kind']}: {event['detail']}\n", style=style)
+        parts: list[Text | Table] = [header, table, Text("latest events", style="bold"), events]
+        if self.error:
+            parts.insert(1, Text(f"no answer: {self.error}", style="bold red"))
+        return Group(*parts)
+
+
+def run_top(url: str, model: str | None = None, interval_s: float = 1.0, once: bool = False,
+            history: int = 60, console: Console | None = None) -> None:
+    """Poll ``url``'s series of ``model`` (default: the one it serves) every ``interval_s``
+    seconds and draw it; ``once``: print one frame and return."""
+    if not (math.isfinite(interval_s) and interval_s > 0):
+        raise ValueError(f"--interval must be a number of seconds > 0, got {interval_s!r}")
+    if history < 1:
+        raise ValueError(f"--history must be >= 1 points, got {history}")
+    base = check_url(url)
+    name = model or served_model(base)
+    endpoint = f"{base}/v2/models/{urllib.parse.quote(name, safe='')}/adaptation/series"
+    view = SeriesView(history)
+    view.merge(fetch_json(endpoint))
+    console = console or Console()
+    if once:
+        console.print(view.frame())
+        return
+    try:
+        with Live(view.frame(), console=console, refresh_per_second=4) as live:
+            while True:
+                time.sleep(interval_s)
+                since = "" if view.last_t is None else f"?since={view.last_t!r}"
+                try:
+                    view.merge(fetch_json(endpoint + since))
+                    view.error = None
+                except ValueError as err:  # the server restarts, say: keep trying
+                    view.error = str(err)
+                live.update(view.frame())
+    except KeyboardInterrupt:
+        return
