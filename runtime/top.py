@@ -27,7 +27,7 @@ SPARKS = "\u2581\u2582\u2583\u2584\u2585\u2586\u2587\u2588"
 EVENTS_SHOWN = 6
 TIMEOUT_S = 10.0
 STATE_STYLES = {"adapting": "bold green", "dueling": "bold yellow", "paused": "bold red",
-                "holding": "bold magenta", "frozen": "bold blue", "serving": "bold cyan"}
+                "holding": "bold magenta", "frozen": "bold blue", "off": "bold cyan"}
 
 # (field, label, unit, bound keys in the answer's "bounds": (lower, upper)): the page's charts
 ROWS: tuple[tuple[str, str, str, tuple[str | None, str | None]], ...] = (

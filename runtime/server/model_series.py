@@ -5,8 +5,8 @@ reports, so a scrape and the statistics route agree.
 * ``eva0_samples_total``, ``eva0_forwards_total``: samples the model served and the forwards it
   ran for them (a forward: one theta row on one image), the counters of ``forwards_per_sample``;
 * ``eva0_theta_updates_total``: adaptation steps taken on theta (the state's step counter);
-* ``eva0_adaptation_state{state}``: 1 for the state the model is in (:data:`STATES`), 0 for the
-  others;
+* ``eva0_adaptation_state{state}``: 1 for the state the model is in
+  (:data:`.series.GUARD_STATES`, as the dashboard's series reads it), 0 for the others;
 * ``eva0_guard_signal{signal}``, ``eva0_guard_bound_min{signal}``,
   ``eva0_guard_bound_max{signal}``: the health guard's windowed signals (entropy / ln K, class
   spread / ln K, logit norm, drift ||theta - theta0||, alignment distance; all unitless) and
@@ -34,27 +34,7 @@ from prometheus_client.metrics_core import Metric
 
 from ..guard import SIGNALS, VERDICTS
 from ..policy import Policy
-
-STATES = ("adapting", "frozen", "paused", "dueling", "holding", "off")
-"""``adapting``: steps run as the budget allows; ``frozen``: stopped by hand (``POST freeze``);
-``paused``: the guard's pause at theta0 (one forward per sample); ``dueling``: a guard pause or
-audit running a candidate theta beside theta0; ``holding``: the guard serves theta0 on a stream
-theta0's own signals fail (black frames, noise); ``off``: the method never adapts (NoAdapt, a
-budget of 1)."""
-
-
-def adaptation_state(policy: Policy, stats: dict[str, Any]) -> str:
-    """The state of :data:`STATES` ``policy`` is in, given its ``stats()``."""
-    if policy.one_forward:
-        return "off"
-    if stats["frozen"]:
-        return "frozen"
-    if stats.get("paused_samples_left", 0) > 0:
-        guard = policy.guard
-        if guard is not None and guard.holding:
-            return "holding"
-        return "dueling" if guard is not None and stats["drift"] > 0 else "paused"
-    return "adapting"
+from .series import GUARD_STATES, guard_state
 
 
 def _counter(name: str, help_text: str, value: float) -> CounterMetricFamily:
@@ -126,7 +106,7 @@ def _bank_families(bank_stats: dict[str, Any] | None) -> list[Metric]:
 def model_families(policy: Policy) -> list[Metric]:
     """The series above, read from ``policy`` (call on the worker thread, between steps)."""
     stats = policy.stats()
-    state = adaptation_state(policy, stats)
+    state = guard_state(policy)
     shift = stats.get("activation_shift")
     families: list[Metric] = [
         _counter("eva0_samples", "Samples the model served", stats["samples"]),
@@ -137,7 +117,7 @@ def model_families(policy: Policy) -> list[Metric]:
         _labelled(GaugeMetricFamily(
             "eva0_adaptation_state", "1 for the adaptation's state (adapting, frozen, paused, "
             "dueling, holding, off), 0 for the others", labels=["state"]),
-            {s: float(s == state) for s in STATES}),
+            {s: float(s == state) for s in GUARD_STATES}),
         _labelled(CounterMetricFamily(
             "eva0_stream_changes", "Changes of stream seen in the input images (inputs) and by "
             "the activation shift's detector (activation_shift)", labels=["detector"]),

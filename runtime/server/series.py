@@ -53,7 +53,13 @@ EVENT_CAPACITY = 1024  # events kept (trips, verdicts, changes, ...)
 REASON_CHARS = 200  # a trip's reason is cut here
 
 # The guard's states, in the order of their codes in the ring
-GUARD_STATES = ("adapting", "dueling", "paused", "holding", "frozen", "serving")
+GUARD_STATES = ("adapting", "dueling", "paused", "holding", "frozen", "off")
+"""``adapting``: steps run as the budget allows; ``dueling``: a guard pause or audit running a
+candidate theta beside theta0; ``paused``: the guard's pause at theta0 (one forward per sample);
+``holding``: the guard serves theta0 on a stream theta0's own signals fail (black frames,
+noise); ``frozen``: stopped by hand (``POST freeze``); ``off``: the method never adapts
+(NoAdapt, a budget of 1). The series, ``/metrics`` (``eva0_adaptation_state``) and ``top``
+all read :func:`guard_state`."""
 
 # The columns of a point (numbers; NaN: not defined, JSON null)
 FIELDS = (
@@ -84,22 +90,24 @@ _EVENT_COUNTERS = (
 
 
 def guard_state(model: Policy) -> str:
-    """What the adaptation does now, one of :data:`GUARD_STATES` (O(1), read on the thread that
-    owns the model): ``frozen`` (an admin froze it), ``serving`` (a method or budget that never
-    adapts: one forward per sample), ``holding`` (the guard's last verdict was hold: theta0
-    serves while its own signals are out of bounds), ``dueling`` (an audit: the current theta,
-    or theta0 at a change of stream, duels the other), ``paused`` (the pause after a trip),
-    else ``adapting``."""
+    """What the adaptation does now, one of :data:`GUARD_STATES` (read on the thread that owns
+    the model; O(1) outside a guard's pause, where theta is compared with theta0): ``frozen``
+    (an admin froze it), ``off`` (a method or budget that never adapts: one forward per
+    sample), ``holding`` (the guard's last verdict was hold: theta0 serves while its own
+    signals are out of bounds), ``dueling`` (an audit, or a pause after a trip duelling the
+    checkpoint against theta0), ``paused`` (a pause with nothing to duel: theta0), else
+    ``adapting``."""
     if model.model.frozen:
         return "frozen"
     if model.one_forward:
-        return "serving"
+        return "off"
     if not (model.spec.guard and model.state.pause_left):
         return "adapting"
     guard = model.guard
     if guard is not None and guard.holding:
         return "holding"
-    if guard is not None and guard.auditing:
+    if guard is not None and (guard.auditing or not np.array_equal(model.state.theta,
+                                                                  model.metadata.theta0)):
         return "dueling"
     return "paused"
 

@@ -135,12 +135,14 @@ def test_the_guard_state_names_what_the_model_does():
     x = uniform_batch(8)
     served = Policy.load(MODEL, "noadapt", provider="cpu", threads=1)
     served.step(x)
-    assert guard_state(served) == "serving"
+    assert guard_state(served) == "off"
     model = Policy.load(MODEL, "eva0", provider="cpu", threads=1)
     model.step(x)
     assert guard_state(model) == "adapting"
     model.freeze(True)
     assert guard_state(model) == "frozen"
     model.freeze(False)
-    model.state.pause_left = 5  # as a trip leaves it: the guard neither holds nor audits
+    model.state.pause_left = 5  # a trip's pause: the adapted theta duels theta0
+    assert guard_state(model) == "dueling"
+    model.state.theta = model.metadata.theta0.copy()  # rolled back to theta0: nothing to duel
     assert guard_state(model) == "paused"

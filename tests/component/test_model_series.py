@@ -12,7 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.server.app import ServeOptions, create_app
 from eva0_edge.runtime.server.metrics import ServerMetrics
-from eva0_edge.runtime.server.model_series import STATES, model_families
+from eva0_edge.runtime.server.model_series import model_families
+from eva0_edge.runtime.server.series import GUARD_STATES
 from tests.fixtures import SHIPPED_RESNET_GN, InProcessServer, http_call, uniform_batch
 
 MODEL = SHIPPED_RESNET_GN
@@ -31,9 +32,9 @@ def _samples(policy: Policy) -> dict[tuple[str, tuple], float]:
 def _state(policy: Policy) -> str:
     """The one state ``eva0_adaptation_state`` marks (it must mark exactly one)."""
     values = _samples(policy)
-    marked = [s for s in STATES if values[("eva0_adaptation_state", (("state", s),))] == 1.0]
+    marked = [s for s in GUARD_STATES if values[("eva0_adaptation_state", (("state", s),))] == 1.0]
     assert len(marked) == 1 and sum(
-        values[("eva0_adaptation_state", (("state", s),))] for s in STATES) == 1.0
+        values[("eva0_adaptation_state", (("state", s),))] for s in GUARD_STATES) == 1.0
     return marked[0]
 
 
