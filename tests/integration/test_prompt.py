@@ -33,8 +33,8 @@ def test_prompt_export_is_a_black_box_with_a_prompt_input(prompt_vit):
     assert set(inputs) == {"pixel_values", "prompt", "head_shift"}
     assert inputs["prompt"][1:] == [2, 64]
     assert md.is_prompt_model and md.black_box and md.theta_layout[0].shape == (2, 64)
-    assert set(md.arrays) == {  # statistics only: no weights exposed
-        "theta0", "source_mean", "source_std", "head_input_mean"}
+    assert set(md.arrays) == {  # statistics only (the shift's per-class means): no weights
+        "theta0", "source_mean", "source_std", "head_input_mean", "head_input_class_means"}
     assert md.feature_layout[-1].name == "head_input" and md.num_features == 7 * 64
     bound = np.sqrt(6 / (3 * 16 + 64))  # VPT/FOA's uniform initialisation
     assert 0.5 * bound < np.abs(md.theta0).max() <= bound
