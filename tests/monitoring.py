@@ -99,6 +99,17 @@ def serve_every_series(log: Path) -> ServerProcess:
     return server
 
 
+def every_series_exposition(log: Path) -> str:
+    """``/metrics`` as :func:`serve_every_series`'s server answers it (the server then stopped)."""
+    server = serve_every_series(log)
+    try:
+        status, body = http_call(server, "GET", "/metrics")
+    finally:
+        assert server.stop(), server.log()
+    assert status == 200
+    return body.decode()
+
+
 def send_pixels(server: ServerProcess, x: Any) -> None:
     """One inference request of the normalised images x [B, 3, H, W] (binary FP32)."""
     import tritonclient.http as httpclient

@@ -9,15 +9,14 @@ import subprocess
 
 import pytest
 
-from tests.fixtures import http_call
 from tests.monitoring import (
     RULE_TESTS,
     RULES,
     debian_tool,
+    every_series_exposition,
     exported_names,
     metric_names,
     rules,
-    serve_every_series,
 )
 
 SEVERITIES = {"info", "warning", "critical"}
@@ -50,13 +49,7 @@ def test_every_alert_is_tested_and_has_a_severity_a_summary_and_a_description():
 
 @pytest.fixture(scope="module")
 def exposition(tmp_path_factory) -> str:
-    server = serve_every_series(tmp_path_factory.mktemp("rules") / "server.log")
-    try:
-        status, body = http_call(server, "GET", "/metrics")
-    finally:
-        assert server.stop(), server.log()
-    assert status == 200
-    return body.decode()
+    return every_series_exposition(tmp_path_factory.mktemp("rules") / "server.log")
 
 
 def test_every_series_a_rule_reads_is_exported(exposition):

@@ -11,14 +11,13 @@ import subprocess
 
 import pytest
 
-from tests.fixtures import http_call
 from tests.monitoring import (
     dashboard,
     dashboard_expressions,
     debian_tool,
+    every_series_exposition,
     exported_names,
     metric_names,
-    serve_every_series,
 )
 
 PANELS = ("Images/s", "Latency p50 / p99", "Forwards per sample vs budget", "Budget credit",
@@ -79,13 +78,7 @@ def test_every_expression_is_valid_promql(tmp_path):
 
 @pytest.fixture(scope="module")
 def exposition(tmp_path_factory) -> str:
-    server = serve_every_series(tmp_path_factory.mktemp("dashboard") / "server.log")
-    try:
-        status, body = http_call(server, "GET", "/metrics")
-    finally:
-        assert server.stop(), server.log()
-    assert status == 200
-    return body.decode()
+    return every_series_exposition(tmp_path_factory.mktemp("dashboard") / "server.log")
 
 
 def test_every_series_the_dashboard_reads_is_exported(exposition):
