@@ -169,3 +169,45 @@ def test_cuda_device_step_keeps_the_cpus_budget_schedule(path):
     cpu, cuda = models
     assert abs(cuda.session.counter.forwards - cpu.session.counter.forwards) <= 2 * 16
     assert 1.0 < cuda.session.counter.per_sample < 2.0
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_cuda_graphs_replay_the_unrecorded_calls_numbers(path):
+    """The device step's split calls replayed from CUDA graphs give, batch after batch of new
+    images and rows through the same recorded buffers, exactly the unrecorded session's
+    outputs; a second shape records its own pair, and a served batch (unrecorded) is
+    unchanged."""
+    metadata = read_metadata(path)
+    plain = AdaptableSession(path, metadata, "cuda")
+    graphed = AdaptableSession(path, metadata, "cuda", cuda_graphs=True)
+    assert graphed.graphs is not None and plain.graphs is None
+    cp = graphed.cupy
+    rng = np.random.default_rng(0)
+    for n, seed in ((4, 1), (4, 2), (4, 3), (2, 4), (4, 5)):
+        x = plain.check_input(_batch(metadata, n, seed))
+        theta = metadata.theta0.astype(np.float32) + rng.normal(
+            0, 1e-2, (2 * n, metadata.num_params)).astype(np.float32)
+        want = [a.get() for a in plain.run_device(x, cp.asarray(theta))]
+        got = [a.get() for a in graphed.run_device(x, cp.asarray(theta))]
+        for w, g in zip(want, got, strict=True):
+            np.testing.assert_array_equal(g, w)
+    assert len(graphed.graphs._pairs) == 2
+    served = np.broadcast_to(metadata.theta0.astype(np.float32), (4, metadata.num_params))
+    x = plain.check_input(_batch(metadata, 4, 9))
+    for w, g in zip(plain.run(x, served), graphed.run(x, served), strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_cuda_graphs_adapt_as_the_unrecorded_device_step(path):
+    """Ten EVA-0 device steps (guard off) with CUDA graphs: the same predictions and theta as
+    without them."""
+    x = [_batch(read_metadata(path), 8, seed) for seed in range(10)]
+    runs = []
+    for graphs in (False, True):
+        model = Policy.load(path, "eva0", {"guard": False}, seed=0, provider="cuda",
+                            cuda_graphs=graphs)
+        runs.append(([model.step(b).argmax(1) for b in x], model.state.theta.copy()))
+    for a, b in zip(runs[0][0], runs[1][0], strict=True):
+        np.testing.assert_array_equal(b, a)
+    np.testing.assert_array_equal(runs[1][1], runs[0][1])
