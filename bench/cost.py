@@ -19,8 +19,6 @@ Methods (all on the same batch of random normalised pixels):
   file cannot be split);
 * ``eva0-hoststep`` (any runtime method + ``-hoststep``): on CUDA, the step's arrays on the host
   (the CPU path's numbers) instead of the default device step (:mod:`~.runtime.device_step`);
-* ``eva0-graphs`` (any runtime method + ``-graphs``): on CUDA, the device step's split calls
-  replayed from ORT's CUDA graphs (:mod:`~.runtime.cuda_graphs`);
 * ``foa`` / ``foa-dagger`` / ``eva0-clubs``: the prompt methods' full steps (FOA: CMA-ES ask,
   one ORT call over 28B rows, fitness, tell, activation shift) on the prompt variant of the same
   weights (``--arch`` exports it; ``name@FP`` sets #FP);
@@ -71,7 +69,6 @@ from .testbed.workload import export_random, random_batch
 SESSION_MODES: dict[str, tuple[str, bool]] = {
     "-lowmem": ("low_memory", True), "-iob": ("io_binding", True), "-split": ("split", True),
     "-onecall": ("split", False), "-hoststep": ("device_step", False),
-    "-graphs": ("cuda_graphs", True),
 }
 COST_METHODS = (*RUNTIME_METHODS, *(f"eva0{suffix}" for suffix in SESSION_MODES), "tent")
 PROMPT_TOKENS = 3
@@ -108,16 +105,14 @@ def session_label(session: dict[str, bool] | None) -> str:
     kind = ("low memory" if session["low_memory"] else
             "split" if session["split"] else "one call")
     return kind + (" + IOBinding" if session["io_binding"] else "") + \
-        (" + device step" if session.get("device_step") else "") + \
-        (" + CUDA graphs" if session.get("cuda_graphs") else "")
+        (" + device step" if session.get("device_step") else "")
 
 
 def resolved_session(session: AdaptableSession) -> dict[str, bool]:
     """What ``session`` runs, as resolved from its settings: split sessions or one file,
     IOBinding, low memory, the device step."""
     return {"split": session.parts is not None, "io_binding": bool(session.io_binding),
-            "low_memory": bool(session.low_memory), "device_step": session.device_step,
-            "cuda_graphs": session.graphs is not None}
+            "low_memory": bool(session.low_memory), "device_step": session.device_step}
 
 
 def check_cost_method(name: str) -> None:

@@ -9,8 +9,7 @@
 #   tests    tests/integration/test_cuda.py (CUDA agrees with the CPU on the shipped models;
 #            the device step's stream test needs Fashion-MNIST's test split)
 #   costs    bench on CUDA, ResNet50-GN and ViT-B, batch 1/8/32, 20 interleaved repetitions:
-#            EVA-0 and ZOA in the default mode (the device step), EVA-0's host step, with ORT's
-#            CUDA graphs (-graphs), one call
+#            EVA-0 and ZOA in the default mode (the device step), EVA-0's host step, one call
 #   layers   the same at the recommended layer sets (ResNet50-GN stage 3, ViT-B blocks 6-11)
 #   budget   bench on CUDA: noadapt-shift and default-mode EVA-0 (and its host step) at compute
 #            budgets 1.25 and 1.5 (settled schedule, mean time, measured forwards per sample,
@@ -59,7 +58,7 @@ mkdir -p "${EVA0_CACHE:-/tmp}" && flock "${EVA0_CACHE:-/tmp}/export.lock" true
 if want costs; then
   for arch in "${archs[@]}"; do
     run 150 "${cli[@]}" bench --arch "$arch" --provider cuda --batch-sizes 1,8,32 \
-      --methods noadapt-hoststep,eva0-split,eva0-split-hoststep,eva0-split-graphs,eva0-onecall,zoa-split \
+      --methods noadapt-hoststep,eva0-split,eva0-split-hoststep,eva0-onecall,zoa-split \
       --repeats 20 --warmup 3 --no-memory --out "$res/bench-$arch-cuda" -q
   done
 fi

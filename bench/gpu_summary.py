@@ -24,7 +24,6 @@ from typing import Any
 from .testbed.output import write_outputs
 
 COST_COLUMNS = (("eva0-split", "EVA-0 default"), ("eva0-split-hoststep", "EVA-0 host step"),
-                ("eva0-split-graphs", "EVA-0 CUDA graphs"),
                 ("eva0-onecall", "EVA-0 one call"), ("zoa-split", "ZOA default"),
                 ("zoa-onecall", "ZOA one call"))
 MEMORY_COLUMNS = (("eva0-split", "EVA-0 default"), ("eva0-split-hoststep", "EVA-0 host step"),

@@ -32,10 +32,6 @@ DEVICE_STEP_HELP = (
     "--no-device-step runs them on the host with the CPU's numbers (default: on where CuPy "
     "sees the GPU)"
 )
-CUDA_GRAPHS_HELP = (
-    "on CUDA with the device step, replay the step's prefix and suffix calls from ORT's CUDA "
-    "graphs (one pair per step shape; opt-in: one launch per call instead of one per kernel)"
-)
 LOW_MEMORY_HELP = (
     "run the +/- copies as two ORT calls: peak memory of plain inference, the shared prefix "
     "computed twice"
@@ -125,7 +121,6 @@ def add_runtime_options(p: argparse.ArgumentParser, *, method: bool = True) -> N
                        help=IO_BINDING_HELP)
         p.add_argument("--device-step", action=argparse.BooleanOptionalAction,
                        help=DEVICE_STEP_HELP)
-        p.add_argument("--cuda-graphs", action="store_true", help=CUDA_GRAPHS_HELP)
         add_split_options(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
@@ -157,7 +152,6 @@ def session_settings(args: argparse.Namespace) -> SessionSettings:
         split=getattr(args, "split_sessions", None),
         memory_budget_mb=getattr(args, "memory_budget_mb", None),
         device_step=getattr(args, "device_step", None),
-        cuda_graphs=getattr(args, "cuda_graphs", False),
     )
 
 

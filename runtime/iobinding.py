@@ -38,13 +38,11 @@ class BoundRunner:
     ones. ORT's call synchronises its stream before it returns; CuPy's work is waited for
     before the call (:meth:`run`), so each side reads what the other wrote."""
 
-    def __init__(self, session: ort.InferenceSession, device: str,
-                 run_options: ort.RunOptions | None = None) -> None:
+    def __init__(self, session: ort.InferenceSession, device: str) -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"IOBinding device must be 'cpu' or 'cuda', got {device!r}")
         self.session = session
         self.device = device
-        self.run_options = run_options  # every call's (a graph-enabled session's: unrecorded)
         self.binding = session.io_binding()
         self.output_widths = {
             output.name: tuple(output.shape[1:]) for output in session.get_outputs()
@@ -94,7 +92,7 @@ class BoundRunner:
                 results.append(buffer)
         if device_feeds:  # CuPy's kernels (the null stream) end before ORT's stream reads
             sys.modules["cupy"].cuda.get_current_stream().synchronize()
-        self.session.run_with_iobinding(binding, self.run_options)
+        self.session.run_with_iobinding(binding)
         if on_device:
             values = binding.get_outputs()
             results = [values[i] if r is None else r for i, r in enumerate(results)]

@@ -18,7 +18,6 @@ import onnxruntime as ort
 from google.protobuf.message import DecodeError
 
 from .arrays import cupy_or_none, namespace
-from .cuda_graphs import GRAPH_OPTION, GraphedSplit, unrecorded
 from .iobinding import BoundRunner
 from .metadata import ModelFormatError, ModelMetadata
 from .split import split_files
@@ -118,16 +117,13 @@ _ARENAS: set[str] = set()
 
 
 def open_session(
-    path: str | os.PathLike, options: ort.SessionOptions, providers: list[str],
-    cuda_graph: bool = False,
+    path: str | os.PathLike, options: ort.SessionOptions, providers: list[str]
 ) -> ort.InferenceSession:
-    """An ORT session on ``path`` (``cuda_graph``: with ORT's CUDA graphs enabled, see
-    :mod:`.cuda_graphs`); FileNotFoundError or ModelFormatError naming the file."""
+    """An ORT session on ``path``; FileNotFoundError or ModelFormatError naming the file."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"model file not found: {path}")
-    cuda = {**CUDA_PROVIDER_OPTIONS, **({GRAPH_OPTION: "1"} if cuda_graph else {})}
     try:
-        entries = [(p, cuda) if p == PROVIDERS["cuda"] else p for p in providers]
+        entries = [(p, CUDA_PROVIDER_OPTIONS) if p == PROVIDERS["cuda"] else p for p in providers]
         return ort.InferenceSession(str(path), options, providers=entries)
     except (ort.capi.onnxruntime_pybind11_state.InvalidProtobuf,
             ort.capi.onnxruntime_pybind11_state.InvalidGraph,
@@ -165,7 +161,7 @@ class SessionSettings:
     :func:`~eva0_edge.runtime.methods.load_method`, the fleet's replicas and the testbed.
     ``provider``: "auto", "cpu" or "cuda"; ``threads``: ORT's intra-op threads (None: ORT's
     default, one per core); ``low_memory``, ``io_binding``, ``split``, ``memory_budget_mb``,
-    ``device_step``, ``cuda_graphs``: see :class:`AdaptableSession`."""
+    ``device_step``: see :class:`AdaptableSession`."""
 
     provider: str = "auto"
     threads: int | None = None
@@ -174,7 +170,6 @@ class SessionSettings:
     split: bool | None = None
     memory_budget_mb: float | None = None
     device_step: bool | None = None
-    cuda_graphs: bool = False
 
     def keywords(self) -> dict[str, object]:
         """The settings as :class:`AdaptableSession`'s keyword arguments."""
@@ -217,12 +212,7 @@ class AdaptableSession:
     checked there by a reduction and stays there for every call on it (:meth:`resident`: the
     step, the input descriptors, a served forward whose theta crosses once, not per row).
     Default None: on a CUDA session through IOBinding of a ``theta`` file when CuPy sees the
-    device; True where that cannot be is refused.
-
-    ``cuda_graphs``: replay the device step's prefix and suffix calls from ORT's CUDA graphs,
-    one pair per step shape (:mod:`.cuda_graphs`; opt-in; a step whose suffix runs in chunks,
-    and every other call, runs unrecorded). Needs the device step over split sessions; refused
-    elsewhere."""
+    device; True where that cannot be is refused."""
 
     def __init__(
         self,
@@ -236,7 +226,6 @@ class AdaptableSession:
         split: bool | None = None,
         memory_budget_mb: float | None = None,
         device_step: bool | None = None,
-        cuda_graphs: bool = False,
     ) -> None:
         one_file = low_memory or profile_prefix is not None
         if split and one_file:
@@ -249,18 +238,12 @@ class AdaptableSession:
         self.device = "cuda" if self.providers[0] == PROVIDERS["cuda"] else "cpu"
         options = session_options(threads, profile_prefix)
         self.parts: SplitSessions | None = None
-        if cuda_graphs and (self.device != "cuda" or one_file or split is False
-                            or io_binding is False or device_step is False):
-            raise ValueError("cuda_graphs: ORT's CUDA graphs replay the device step's split "
-                             "calls: they need the CUDA provider, split sessions, IOBinding "
-                             "and the device step")
         if split is None:
             if not one_file:
                 self.parts = SplitSessions.or_none(path, options, self.providers,
-                                                   memory_budget_mb, cuda_graphs)
+                                                   memory_budget_mb)
         elif split:
-            self.parts = SplitSessions(path, options, self.providers, memory_budget_mb,
-                                       cuda_graphs)
+            self.parts = SplitSessions(path, options, self.providers, memory_budget_mb)
         if self.parts is not None:
             self.session = self.parts.suffix
         else:
@@ -297,16 +280,6 @@ class AdaptableSession:
         self._high = float(np.max((1.0 - mean) / std)) + RANGE_TOLERANCE
         self.counter = ForwardCounter()
         self.cupy = self._device_arrays(device_step)
-        self.graphs: GraphedSplit | None = None
-        if cuda_graphs:
-            if self.parts is None or self.cupy is None or self.metadata.adapted_input != "theta":
-                raise ValueError("cuda_graphs: this file runs no device step over split "
-                                 "sessions (it cannot be split, or it adapts prompts)")
-            widths = {o.name: tuple(o.shape[1:]) for o in self.parts.suffix.get_outputs()
-                      if o.name in ("logits", "features")}
-            self.graphs = GraphedSplit(self.parts.prefix, self.parts.suffix,
-                                       self.parts.boundary, widths, self.cupy,
-                                       self.parts.prefix_graphed)
         self._resident: tuple[np.ndarray, Any] | None = None  # (checked batch, its copy)
         self._theta_row: tuple[np.ndarray, Any] | None = None  # (served theta, its copy)
 
@@ -421,10 +394,7 @@ class AdaptableSession:
         if pixels is None:
             pixels = self.cupy.asarray(x)
         names = ["logits", "features"]
-        if self.graphs is not None and self.parts is not None and \
-                self.parts.rows_per_call(n, count) >= count and self.graphs.records(pixels, rows):
-            results = self.graphs.run(pixels, rows, names)
-        elif self.parts is not None:
+        if self.parts is not None:
             results = self.parts.run(pixels, count, names, lambda a, b: {"theta": rows[a:b]},
                                      device_outputs=True)
         elif self.binder is not None:
@@ -499,7 +469,7 @@ class SplitSessions:
 
     def __init__(
         self, path: str | os.PathLike, options: ort.SessionOptions, providers: list[str],
-        memory_budget_mb: float | None, cuda_graphs: bool = False,
+        memory_budget_mb: float | None,
     ) -> None:
         if not Path(path).is_file():
             raise FileNotFoundError(f"model file not found: {path}")
@@ -511,45 +481,27 @@ class SplitSessions:
         self.boundary = parts.boundary
         self.row_bytes = 4 * parts.row_elements
         self.memory_budget_mb = memory_budget_mb
-        self.cuda_graphs = cuda_graphs
-        if not cuda_graphs:  # a recorded graph keeps its own memory, not the shared arena's
-            shared_arena(options, "cpu" if providers[0] == PROVIDERS["cpu"] else "cuda")
-        self.prefix_graphed = cuda_graphs
-        try:
-            self.prefix = open_session(parts.prefix, options, providers, cuda_graphs)
-        except ModelFormatError as err:
-            if not cuda_graphs:
-                raise
-            log.warning("CUDA graphs: the prefix of %s runs unrecorded (%s)", path, err)
-            self.prefix_graphed = False
-            self.prefix = open_session(parts.prefix, options, providers)
-        try:
-            self.suffix = open_session(parts.suffix, options, providers, cuda_graphs)
-        except ModelFormatError as err:
-            if not cuda_graphs:
-                raise
-            raise ValueError(f"cuda_graphs: ORT cannot record the suffix of {path}: "
-                             f"{err}") from err
+        shared_arena(options, "cpu" if providers[0] == PROVIDERS["cpu"] else "cuda")
+        self.prefix = open_session(parts.prefix, options, providers)
+        self.suffix = open_session(parts.suffix, options, providers)
         self.binders: tuple[BoundRunner, BoundRunner] | None = None
 
     def bind(self, device: str) -> None:
         """Run both parts through IOBinding on ``device``; the prefix's activations stay there
-        (see :class:`BoundRunner`). With CUDA graphs these calls run unrecorded."""
-        options = unrecorded() if self.cuda_graphs else None
-        self.binders = (BoundRunner(self.prefix, device, options),
-                        BoundRunner(self.suffix, device, options))
+        (see :class:`BoundRunner`)."""
+        self.binders = (BoundRunner(self.prefix, device), BoundRunner(self.suffix, device))
 
     @classmethod
     def or_none(
         cls, path: str | os.PathLike, options: ort.SessionOptions, providers: list[str],
-        memory_budget_mb: float | None, cuda_graphs: bool = False,
+        memory_budget_mb: float | None,
     ) -> SplitSessions | None:
         """The split sessions, or None (with a warning) when the file cannot be split or its
         parts cannot be cached; a missing file still raises."""
         if not Path(path).is_file():
             raise FileNotFoundError(f"model file not found: {path}")
         try:
-            return cls(path, options, providers, memory_budget_mb, cuda_graphs)
+            return cls(path, options, providers, memory_budget_mb)
         except (OSError, ModelFormatError) as err:
             log.warning("running %s as one session (no split sessions): %s", path, err)
             return None

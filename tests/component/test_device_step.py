@@ -72,12 +72,3 @@ def test_a_session_refuses_the_device_step_where_it_cannot_run():
     assert not AdaptableSession(SHIPPED_VIT, provider="cpu").device_step
     with pytest.raises(ValueError, match="device_step: it needs the CUDA provider"):
         AdaptableSession(SHIPPED_VIT, provider="cpu", device_step=True)
-
-
-def test_cuda_graphs_are_refused_where_no_device_step_runs():
-    """ORT's CUDA graphs replay the device step's split calls only: on the CPU provider, or
-    with the one-file session, they are refused naming what they need, before any session."""
-    for settings in ({}, {"split": False}, {"low_memory": True}):
-        with pytest.raises(ValueError, match="cuda_graphs: .* need the CUDA provider"):
-            AdaptableSession(SHIPPED_VIT, provider="cpu", cuda_graphs=True, **settings)
-    assert AdaptableSession(SHIPPED_VIT, provider="cpu").graphs is None

@@ -34,8 +34,8 @@ def test_tables_take_each_method_at_its_batch(tmp_path, capsys):
         _row("eva0-split", 32, 0.6, 1.5, load=780, peak=1100, gpu_ratio=1.1)])
     assert main([str(tmp_path)]) == 0
     table = capsys.readouterr().out
-    assert "| resnet50_gn | 8 | 0.500 | 3.00x | - | - | 2.00x | - | - | 25% |" in table
-    assert "| resnet50_gn | 32 | 0.400 | 1.50x | - | - | - | - | - | 30% |" in table
+    assert "| resnet50_gn | 8 | 0.500 | 3.00x | - | 2.00x | - | - | 25% |" in table
+    assert "| resnet50_gn | 32 | 0.400 | 1.50x | - | - | - | - | 30% |" in table
     assert "| resnet50_gn | 32 | 700 / 1000 | 1100 (1.10x) | - | - | - | - |" in table
     assert (tmp_path / "gpu.md").read_text() == table
     assert json.loads((tmp_path / "gpu.json").read_text())["memory"][0]["eva0-split"] == {
