@@ -13,6 +13,7 @@ own the state. Ray Serve does the rest: the proxy, routing to replicas, restarts
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,7 +62,8 @@ def replica_app(spec: ReplicaSpec, actor: Any) -> Callable[[], Any]:
         model = spec.load(seed)
         if not model.spec.keeps_state:
             raise ValueError(f"the fleet merges EVA-0-family states; {spec.method} keeps none")
-        return create_app(model, spec.options,
+        options = dataclasses.replace(spec.options, replica=replica)  # named in its series
+        return create_app(model, options,
                           FleetSync(ray_actor(actor), replica, model, spec.sync_every_s))
 
     return build

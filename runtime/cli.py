@@ -364,7 +364,11 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         loopback=_is_loopback(args.host),
         header_timeout_s=args.header_timeout_s,
         host=args.host,
+        replica=args.replica_id,
     )
+    if args.replicas is not None and args.replica_id is not None:
+        raise ValueError("--replica-id names a lone server behind a load balancer; with "
+                         "--replicas each replica answers its own id")
     model = load_method(args.model, args.method, method_overrides(args), args.seed,
                         session_settings(args))
     warn_unfitted(model, method_overrides(args))
@@ -511,6 +515,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--admin-token", help="bearer token of the admin endpoints (reset, PUT "
                    "state; default: $EVA0_ADMIN_TOKEN); without one they are refused off "
                    "loopback")
+    p.add_argument("--replica-id", help="this server's name in its series (the dashboard, "
+                   "top) where several serve one model behind one load balancer; the page "
+                   "then charts each server apart (default: none, a lone server)")
     p.add_argument("--summary-every", type=float, default=serve["summary_every_s"],
                    help="seconds between info-level summaries (default %(default)g)")
     p.add_argument("--threads", type=int_in(1),

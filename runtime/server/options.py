@@ -22,6 +22,7 @@ LIMITS: dict[str, tuple[str, float, bool, float]] = {
     "body_timeout_s": ("body_timeout_s", 0.0, False, math.inf),
     "header_timeout_s": ("--header-timeout-s", 0.0, False, math.inf),
 }
+REPLICA_CHARS = 100  # the longest replica name
 
 
 @dataclass
@@ -38,7 +39,10 @@ class ServeOptions:
     without a token); ``body_timeout_s``: the longest a request body may take to arrive;
     ``header_timeout_s``: the longest a request's headers may take, from the connection's
     opening or the previous response (then 408 and the connection is closed); ``host``: the
-    address bound (admin requests may name it in ``Host``)."""
+    address bound (admin requests may name it in ``Host``); ``replica``: this server's name in
+    its series (``GET .../adaptation/series``), where several serve one model behind one
+    address (each fleet replica's own id; ``--replica-id`` on a server behind a load balancer;
+    None: a lone server)."""
 
     name: str
     max_batch: int = 64
@@ -56,6 +60,7 @@ class ServeOptions:
     body_timeout_s: float = 30.0
     header_timeout_s: float = 10.0
     host: str = "127.0.0.1"
+    replica: str | None = None
 
     def __post_init__(self) -> None:
         """ValueError naming the option of the first number out of its range (:data:`LIMITS`):
@@ -71,6 +76,9 @@ class ServeOptions:
                 bound = f"{'>=' if inclusive else '>'} {least:g}" + (
                     f" and <= {most:g}" if math.isfinite(most) else "")
                 raise ValueError(f"{option} must be a finite number {bound}, got {value!r}")
+        if self.replica is not None and not 0 < len(self.replica) <= REPLICA_CHARS:
+            raise ValueError(f"--replica-id must be 1..{REPLICA_CHARS} characters, "
+                             f"got {self.replica[:REPLICA_CHARS + 1]!r}")
 
 
 def serve_defaults() -> dict[str, Any]:

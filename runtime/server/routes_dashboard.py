@@ -73,7 +73,7 @@ def dashboard_router(ctx: ServerContext) -> APIRouter:
             # an idle server closes its point here, reading the model on the worker thread
             await ctx.on_worker(series.close_if_due)
         body = {
-            "model": options.name, "interval_s": series.interval_s,
+            "model": options.name, "replica": options.replica, "interval_s": series.interval_s,
             "capacity": series.capacity, "fields": list(FIELDS),
             "guard_states": list(GUARD_STATES), "bounds": bounds_of(ctx.model),
             "points": series.points_since(after), "events": series.events_since(after),

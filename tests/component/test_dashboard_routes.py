@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import eva0_edge.runtime.server.routes_dashboard as routes
+from eva0_edge.cli import main
 from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.server.app import ServeOptions, create_app
 from tests.fixtures import MODEL, NAME, InProcessServer, http_call, uniform_batch
@@ -19,10 +20,11 @@ SERIES = f"/v2/models/{NAME}/adaptation/series"
 STATISTICS = f"/v2/models/{NAME}/adaptation/statistics"
 
 
-def serve(name: str = NAME, asynchronous: bool = False, **config) -> InProcessServer:
+def serve(name: str = NAME, asynchronous: bool = False, replica: str | None = None,
+          **config) -> InProcessServer:
     model = Policy.load(MODEL, "eva0", config or None, provider="cpu", threads=1)
-    return InProcessServer(create_app(model, ServeOptions(name=name, max_batch=16,
-                                                          asynchronous=asynchronous)))
+    return InProcessServer(create_app(model, ServeOptions(
+        name=name, max_batch=16, asynchronous=asynchronous, replica=replica)))
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +51,43 @@ def get(server, path: str) -> tuple[int, dict]:
 def test_a_bad_since_is_refused_with_the_protocols_error(server, since):
     status, body = get(server, f"{SERIES}?since={since}")
     assert status == 400 and "since must be a finite number" in body["error"]
+
+
+def test_a_lone_server_names_no_replica(server):
+    status, body = get(server, SERIES)
+    assert status == 200 and body["replica"] is None
+
+
+def test_each_replica_names_itself_in_its_series():
+    """Two servers of one model, as behind a load balancer: each answer names the replica that
+    answered, and its points are that replica's own (the one that served more counts more)."""
+    replicas = {"replica-a": serve(replica="replica-a"), "replica-b": serve(replica="replica-b")}
+    try:
+        x = uniform_batch(16, seed=4)
+        for rows, process in zip((8, 16), replicas.values(), strict=True):
+            infer(process, x[:rows])
+        time.sleep(1.1)  # over the interval: the next read closes a point
+        for name, process in replicas.items():
+            status, body = get(process, SERIES)
+            _, stats = get(process, STATISTICS)
+            assert status == 200 and body["replica"] == name, body["replica"]
+            assert body["points"]["samples"][-1] == stats["samples"]
+            assert sum(body["points"]["images"]) == stats["samples"]
+            _, newer = get(process, f"{SERIES}?since={body['points']['t'][-1]}")
+            assert newer["replica"] == name
+        assert [get(p, STATISTICS)[1]["samples"] for p in replicas.values()] == [8, 16]
+    finally:
+        for process in replicas.values():
+            process.stop()
+
+
+def test_a_replica_name_is_checked(capsys):
+    for bad in ("", "x" * 101):
+        with pytest.raises(ValueError, match="--replica-id must be 1..100 characters"):
+            ServeOptions(name=NAME, replica=bad)
+    # a fleet's replicas answer their own ids: one name for them all is refused
+    assert main(["serve", "--model", str(MODEL), "--replicas", "2", "--replica-id", "a"]) == 2
+    assert "with --replicas each replica answers its own id" in capsys.readouterr().err
 
 
 def test_another_models_series_is_404(server):

@@ -122,6 +122,20 @@ def test_two_replicas_answer_through_the_proxy(fleet, pixels):
     assert all(s["fleet"]["replicas"] == 2 and s["steps"] > 0 for s in stats.values())
 
 
+def test_each_replicas_series_names_it_through_the_proxy(fleet):
+    """The dashboard's series through the proxy: every answer names the replica that answered,
+    by the id its statistics' ``fleet.replica`` report, and both replicas answer."""
+    ids = set(statistics_by_replica(fleet))
+    named = set()
+    for _ in range(20):
+        status, body = get(fleet, f"/v2/models/{NAME}/adaptation/series?since=0")
+        assert status == 200, body
+        named.add(json.loads(body)["replica"])
+        if named == ids:
+            break
+    assert len(ids) == 2 and named == ids, (named, ids)
+
+
 def test_a_merge_makes_the_replicas_theta_equal(fleet, pixels):
     infer_each(fleet, pixels[:48])
     # no traffic: a round merges the last progress, the next hands it out; on a loaded machine
