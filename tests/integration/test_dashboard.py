@@ -8,15 +8,25 @@ every chart's latest number is the statistics route's, the guard's trip and verd
 drawn, the page keeps updating with no traffic, the browser logged no console error, and every
 request it made went to the server's own origin.
 
+Behind a load balancer (a round-robin proxy in the test, in front of two servers named by
+``--replica-id``, as a fleet's proxy alternates between its replicas), the page keeps each
+replica's points apart: one line per replica in every chart, each replica's latest numbers its
+own statistics' and series', none of its points missed or doubled.
+
 Without Chromium or chromedriver the test skips, except under ``CI=true`` (``.ci/run``), where
 it fails: CI installs both (``make monitoring-tools``). ``EVA0_DASHBOARD_SCREENSHOT=PATH`` also
 writes the page's screenshot to PATH (``docs/guide/dashboard.png`` is one)."""
 
 from __future__ import annotations
 
+import http.client
+import itertools
 import json
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -214,3 +224,155 @@ def test_the_page_charts_what_the_statistics_report_and_loads_only_from_the_serv
 
         Image.open(screenshot).convert("RGB").quantize(64).save(
             os.environ["EVA0_DASHBOARD_SCREENSHOT"], optimize=True)
+
+
+class RoundRobin:
+    """A reverse proxy on loopback sending each GET to the next of ``turns`` (ports) in turn.
+    Not a strict alternation: a balancer shared with other clients, or a fleet's, may send the
+    page's polls to one replica several times in a row, while the others' points go on."""
+
+    def __init__(self, turns: list[int]) -> None:
+        turn = itertools.cycle(turns)
+        lock = threading.Lock()
+
+        class Forward(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                with lock:
+                    port = next(turn)
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+                conn.request("GET", self.path)
+                answer = conn.getresponse()
+                body = answer.read()
+                conn.close()
+                self.send_response(answer.status)
+                for key, value in answer.getheaders():
+                    if key.lower() not in ("content-length", "connection", "date", "server"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Forward)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    """Two servers named ``a`` and ``b`` and a proxy in front of them: a, a, b, a, a, b, ..."""
+    tmp = tmp_path_factory.mktemp("replicas")
+    started = {}
+    try:
+        for name in ("a", "b"):
+            started[name] = ServerProcess(tmp / f"{name}.log", "--budget", "1.5",
+                                          "--replica-id", name)
+        proxy = RoundRobin([started["a"].port, started["a"].port, started["b"].port])
+        yield started, proxy
+        proxy.close()
+    finally:
+        for process in started.values():
+            assert process.stop(), process.log()
+
+
+def shown_replicas(driver) -> dict:
+    """Per chart, every latest number the page shows with its replica and its line's points;
+    the replicas' list; the status; the latest-point table's ``t``."""
+    return driver.execute_script("""
+        const out = {charts: {}, replicas: {}, status: {}};
+        for (const fig of document.querySelectorAll('figure.chart'))
+          out.charts[fig.dataset.chart] = [...fig.querySelectorAll('.latest')].map((span) => ({
+            field: span.dataset.field, replica: span.dataset.replica || null,
+            value: span.dataset.value, points: span.dataset.points}));
+        for (const li of document.querySelectorAll('#replicas li'))
+          out.replicas[li.dataset.replica] = Object.assign({}, li.dataset);
+        out.hidden = document.getElementById('replicas').hidden;
+        Object.assign(out.status, document.getElementById('status').dataset);
+        const t = document.querySelector('#latest tr[data-field="t"] td');
+        out.t = t ? t.dataset.value : null;
+        return out;
+    """)
+
+
+def send_paced(process: ServerProcess, x: np.ndarray, pause_s: float = 0.1) -> None:
+    """``x`` in requests of ``ROWS`` rows, ``pause_s`` apart (a stream spread over several of
+    the page's polls, so that both replicas close points while the page reads either)."""
+    for i in range(0, len(x), ROWS):
+        rows = x[i : i + ROWS]
+        body = json.dumps({"inputs": [{"name": "pixel_values", "datatype": "FP32",
+                                       "shape": list(rows.shape),
+                                       "data": rows.ravel().tolist()}]})
+        status, answer = http_call(process, "POST", f"/v2/models/{NAME}/infer", body.encode(),
+                                   {"Content-Type": "application/json"})
+        assert status == 200, answer
+        time.sleep(pause_s)
+
+
+def test_behind_a_load_balancer_each_replica_is_charted_apart(browser, replicas):
+    servers, proxy = replicas
+    origin = f"http://127.0.0.1:{proxy.port}"
+    browser.get(origin + "/dashboard")
+    wait_for(lambda: shown_replicas(browser)["status"].get("replicas") == "2", "both replicas")
+
+    pre = read_metadata(MODEL).preprocessing
+    clean = preprocess_uint8(load_fashion_mnist("test")[0][:240], pre)
+    black = preprocess_uint8(np.zeros((160, 32, 32, 3), np.uint8), pre)
+    streams = {"a": clean, "b": np.concatenate([black, clean[:80]])}
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda name: send_paced(servers[name], streams[name]), streams))
+    stats = {name: get_json(process, STATISTICS) for name, process in servers.items()}
+    assert stats["a"]["samples"] == 240 and stats["b"]["samples"] == 240
+    assert stats["a"]["drift"] != stats["b"]["drift"]  # the replicas' numbers differ
+    # each replica's own numbers, by chart/field
+    expected = {name: {
+        "forwards/forwards_per_sample": s["forwards_per_sample"],
+        "credit/budget_fill": s["budget"]["fill"], "drift/drift": s["drift"],
+        "changes/input_changes": s["input_changes"],
+        "changes/shift_changes": s["activation_shift"]["stream_changes"],
+    } for name, s in stats.items()}
+
+    def latest(page: dict) -> dict:
+        return {(span["replica"], f"{chart}/{span['field']}"): span["value"]
+                for chart, spans in page["charts"].items() for span in spans}
+
+    page = wait_for(lambda: (lambda p: p if all(
+        number(latest(p).get((name, key), "null")) == value
+        for name, values in expected.items()
+        for key, value in values.items()) else None)(shown_replicas(browser)),
+        "each replica's numbers after its stream")
+    polls = int(page["status"]["polls"])  # a few more polls, b's answers among them
+    page = wait_for(lambda: (lambda p: p if int(p["status"]["polls"]) >= polls + 6 else None)(
+        shown_replicas(browser)), "six more polls")
+    assert {name: get_json(process, STATISTICS) for name, process in servers.items()} == stats
+    assert not page["hidden"] and set(page["replicas"]) == {"a", "b"}
+    held = page["replicas"]
+    for chart, spans in page["charts"].items():  # one line per replica and series
+        fields = {span["field"] for span in spans}
+        assert sorted((s["field"], s["replica"]) for s in spans) == sorted(
+            (field, name) for field in fields for name in ("a", "b")), (chart, spans)
+        for span in spans:  # each line holds its replica's points, every one
+            assert span["points"] == held[span["replica"]]["points"], (chart, span, held)
+    for name, process in servers.items():
+        own = get_json(process, SERIES)["points"]
+        first, last = float(held[name]["firstT"]), float(held[name]["lastT"])
+        # the page holds every point of the replica's from its first to its newest, once
+        assert int(held[name]["points"]) == sum(first <= t <= last for t in own["t"]) > 0
+        at = own["t"].index(last)
+        shown = latest(page)
+        for key in ("throughput/images_per_s", "latency/latency_p99_ms",
+                    "forwards/forwards_per_sample_interval"):
+            assert number(shown[name, key]) == own[key.split("/")[1]][at], (name, key)
+        assert shown[name, "guard/guard_state"] == held[name]["state"] == \
+            own["guard_state"][at]
+    answered = page["status"]["answered"]
+    assert answered in ("a", "b") and held[answered]["answered"] == "true"
+    assert number(page["t"]) == float(held[answered]["lastT"])  # the table: the last answer's
+    errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+    assert errors == [], errors
