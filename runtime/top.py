@@ -5,6 +5,11 @@ then ``?since=`` the newest point it has) every ``interval`` seconds and draws, 
 row per series: its latest value, a sparkline of the last ``history`` points, and its bound;
 then the guard's state and the latest events (trips, verdicts, changes of stream, bank hits).
 ``--once`` prints one frame and exits.
+
+Behind a load balancer (a fleet's proxy) each answer comes from one replica and names it
+(``replica``): the points are kept per replica, ``?since=`` is the oldest of the replicas' newest
+points (a replica :data:`STALE_S` behind the newest left out), and the table shows each
+replica's latest value and history side by side, the replica that answered last named.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from rich.text import Text
 SPARKS = "\u2581\u2582\u2583\u2584\u2585\u2586\u2587\u2588"
 EVENTS_SHOWN = 6
 TIMEOUT_S = 10.0
+STALE_S = 120.0  # seconds behind the newest replica's point after which a replica is stale
+MIN_SPARK = 8  # the fewest points a replica's sparkline shows beside others
 STATE_STYLES = {"adapting": "bold green", "dueling": "bold yellow", "paused": "bold red",
                 "holding": "bold magenta", "frozen": "bold blue", "off": "bold cyan"}
 
@@ -99,56 +106,102 @@ def fmt(value: Any) -> str:
 
 
 class SeriesView:
-    """The points read so far (the last ``history`` of each field) and the events."""
+    """The points read so far, per replica (None: a lone server; the last ``history`` of each
+    field) and the events."""
 
     def __init__(self, history: int) -> None:
         self.history = history
-        self.columns: dict[str, deque] = {}
-        self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_SHOWN)
+        self.replicas: dict[str | None, dict[str, deque]] = {}
+        self.last_t: dict[str | None, float] = {}  # each replica's newest point
+        self.events: deque[tuple[str | None, dict[str, Any]]] = deque(maxlen=EVENTS_SHOWN)
         self.answer: dict[str, Any] = {}
-        self.last_t: float | None = None
+        self.answered: str | None = None  # the replica that answered last
         self.error: str | None = None  # why the last read failed (the view goes on polling)
 
     def merge(self, answer: dict[str, Any]) -> None:
+        """The answer's points and events into its replica's, past those it holds."""
         self.answer = answer
+        name = answer.get("replica")
+        columns = self.replicas.setdefault(name, {})
+        after = self.last_t.get(name)
+        times = answer["points"]["t"]
+        start = next((i for i, t in enumerate(times) if after is None or t > after), len(times))
         for field, values in answer["points"].items():
-            self.columns.setdefault(field, deque(maxlen=self.history)).extend(values)
-        self.events.extend(answer["events"])
-        if answer["points"]["t"]:
-            self.last_t = answer["points"]["t"][-1]
+            columns.setdefault(field, deque(maxlen=self.history)).extend(values[start:])
+        self.events.extend((name, e) for e in answer["events"] if after is None or e["t"] > after)
+        if columns["t"]:
+            self.last_t[name] = columns["t"][-1]
+        self.answered = name
 
-    def latest(self, field: str) -> Any:
-        column = self.columns.get(field)
+    def since(self) -> float | None:
+        """The oldest of the replicas' newest points (stale replicas left out): ``?since=``."""
+        if not self.last_t:
+            return None
+        newest = max(self.last_t.values())
+        return min(t for t in self.last_t.values() if t >= newest - STALE_S)
+
+    def latest(self, field: str, replica: str | None) -> Any:
+        """``field``'s newest value of ``replica``."""
+        column = self.replicas.get(replica, {}).get(field)
         return column[-1] if column else None
+
+    def _names(self) -> list[str | None]:
+        return sorted(self.replicas, key=lambda name: (name is not None, name or ""))
+
+    def _replica_line(self, names: list[str | None]) -> Text:
+        """Every replica seen with its guard state, a stale one marked."""
+        newest = max(self.last_t.values(), default=0.0)
+        line = Text("replicas:")
+        for name in names:
+            state = self.latest("guard_state", name) or "-"
+            stale = self.last_t.get(name, newest) < newest - STALE_S
+            line.append(f" {name} ")
+            line.append(state, STATE_STYLES.get(state, ""))
+            line.append(" (stale)" if stale else "")
+        return line
 
     def frame(self) -> Group:
         """The frame: a header line, the table of series, the latest events."""
         answer = self.answer
-        state = self.latest("guard_state") or "-"
+        names = self._names()
+        many = len(names) > 1
+        state = self.latest("guard_state", self.answered) or "-"
+        points = sum(len(columns.get("t", ())) for columns in self.replicas.values())
         header = Text.assemble(
-            ("eva0-edge top ", "bold"), (str(answer.get("model", "")), ""), "  guard: ",
-            (state, STATE_STYLES.get(state, "")),
-            f"  ({fmt(self.latest('samples'))} samples, {len(self.columns.get('t', ()))} "
-            f"points of {answer.get('interval_s', 0):g} s)",
+            ("eva0-edge top ", "bold"), (str(answer.get("model", "")), ""),
+            *(() if self.answered is None else ("  replica: ", (self.answered, "bold"))),
+            "  guard: ", (state, STATE_STYLES.get(state, "")),
+            f"  ({fmt(self.latest('samples', self.answered))} samples, {points} points of "
+            f"{answer.get('interval_s', 0):g} s)",
         )
         table = Table(box=None, pad_edge=False, header_style="bold")
-        for column in ("series", "unit", "latest", "history", "bound"):
-            table.add_column(column, justify="right" if column == "latest" else "left",
-                             no_wrap=True)
+        table.add_column("series", no_wrap=True)
+        table.add_column("unit", no_wrap=True)
+        for name in names:
+            label = str(name) if many else ""
+            table.add_column(f"{label} latest".strip(), justify="right", no_wrap=True)
+            table.add_column(f"{label} history".strip(), no_wrap=True)
+        table.add_column("bound", no_wrap=True)
+        shown = max(MIN_SPARK, self.history // len(names)) if many else self.history
         bounds = answer.get("bounds", {})
         for field, label, unit, (low, high) in ROWS:
             limits = [f">= {fmt(bounds.get(low))}" if low and bounds.get(low) is not None
                       else "", f"<= {fmt(bounds.get(high))}" if high and
                       bounds.get(high) is not None else ""]
-            table.add_row(label, unit, fmt(self.latest(field)),
-                          sparkline(list(self.columns.get(field, ()))),
-                          " ".join(x for x in limits if x))
+            cells: list[str] = []
+            for name in names:
+                column = list(self.replicas[name].get(field, ()))
+                cells += [fmt(column[-1] if column else None), sparkline(column[-shown:])]
+            table.add_row(label, unit, *cells, " ".join(x for x in limits if x))
         events = Text()
-        for event in reversed(self.events):
+        for name, event in reversed(self.events):
             when = time.strftime("%H:%M:%S", time.localtime(event["t"]))
             style = "bold red" if event["kind"] == "trip" else ""
-            events.append(f"{when} {event['kind']}: {event['detail']}\n", style=style)
+            who = f" {name}" if many else ""
+            events.append(f"{when}{who} {event['kind']}: {event['detail']}\n", style=style)
         parts: list[Text | Table] = [header, table, Text("latest events", style="bold"), events]
+        if many:
+            parts.insert(1, self._replica_line(names))
         if self.error:
             parts.insert(1, Text(f"no answer: {self.error}", style="bold red"))
         return Group(*parts)
@@ -175,7 +228,8 @@ def run_top(url: str, model: str | None = None, interval_s: float = 1.0, once: b
         with Live(view.frame(), console=console, refresh_per_second=4) as live:
             while True:
                 time.sleep(interval_s)
-                since = "" if view.last_t is None else f"?since={view.last_t!r}"
+                after = view.since()
+                since = "" if after is None else f"?since={after!r}"
                 try:
                     view.merge(fetch_json(endpoint + since))
                     view.error = None

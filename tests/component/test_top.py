@@ -9,8 +9,8 @@ import time
 import pytest
 
 from eva0_edge.cli import main
-from eva0_edge.runtime.top import ROWS, fmt, sparkline
-from tests.component.test_dashboard_routes import STATISTICS, infer, serve
+from eva0_edge.runtime.top import ROWS, SPARKS, SeriesView, fmt, sparkline
+from tests.component.test_dashboard_routes import SERIES, STATISTICS, infer, serve
 from tests.fixtures import NAME, http_call, uniform_batch
 
 
@@ -57,6 +57,44 @@ def test_one_frame_shows_what_the_statistics_report(server, capsys, monkeypatch)
         assert shown[key] == fmt(value), (key, shown[key], value)
     assert f"top {NAME}" in text and "<= 1.5" in text  # the budget's line
     assert f"({stats['samples']} samples" in text
+
+
+def test_behind_a_load_balancer_each_replica_has_its_columns(capsys):
+    """Answers of two named replicas, each asked ``since`` the view's oldest newest point: the
+    frame names the replica that answered last and shows each one's own latest numbers, and
+    an answer read twice adds no point."""
+    from rich.console import Console
+
+    replicas = {"a": serve(replica="a", budget=1.5), "b": serve(replica="b", budget=1.5)}
+    try:
+        x = uniform_batch(16, seed=6)
+        infer(replicas["a"], x[:4])
+        infer(replicas["b"], x)
+        time.sleep(1.1)  # over the series' interval: the reads below close a point
+        view = SeriesView(history=60)
+        for name in ("a", "b", "b", "a"):
+            since = view.since()
+            query = "" if since is None else f"?since={since!r}"
+            view.merge(json.loads(http_call(replicas[name], "GET", SERIES + query)[1]))
+        stats = {n: json.loads(http_call(p, "GET", STATISTICS)[1]) for n, p in replicas.items()}
+        for name, process in replicas.items():
+            own = json.loads(http_call(process, "GET", SERIES)[1])["points"]
+            held = list(view.replicas[name]["t"])
+            assert held == [t for t in own["t"] if held[0] <= t <= held[-1]], name
+            assert view.latest("samples", name) == stats[name]["samples"]
+        assert stats["a"]["samples"] == 4 and stats["b"]["samples"] == 16
+        console = Console(width=200, color_system=None)
+        with console.capture() as capture:
+            console.print(view.frame())
+        text = capture.get()
+        assert "replica: a" in text and "replicas: a adapting b adapting" in text, text
+        (line,) = [line for line in text.splitlines() if line.startswith("drift ")]
+        values = line.split("||theta - theta0||", 1)[1].split()
+        shown = [v for v in values if not set(v) <= set(SPARKS)]
+        assert shown[:2] == [fmt(stats["a"]["drift"]), fmt(stats["b"]["drift"])], line
+    finally:
+        for process in replicas.values():
+            process.stop()
 
 
 def test_the_model_is_named_or_found(server, capsys):
