@@ -9,6 +9,10 @@ loads nothing from outside the server: its script and style are this package's
 ``make setup`` (``dashboard/package.json``, ``npm ci``), and its Content-Security-Policy lets it
 load and connect to its own origin only. Without the copied files ``/dashboard`` answers 503
 naming the step that installs them.
+
+A series answer names the server that answered (``replica``: :attr:`.ServeOptions.replica`, a
+fleet replica's id; None on a lone server): behind a load balancer each replica answers its own
+ring, and the page and ``top`` keep each replica's points apart by it.
 """
 
 from __future__ import annotations
