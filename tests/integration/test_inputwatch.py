@@ -3,10 +3,13 @@ return to clean after the sensor faults of the hostile sweep, the same at batch 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
 from eva0_edge.bench.testbed.datasets import corrupted_fmnist
+from eva0_edge.runtime import inputwatch
 from eva0_edge.runtime.inputwatch import RECENT_SAMPLES, InputChangeDetector, describe
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.preprocess import preprocess_uint8
@@ -41,6 +44,18 @@ def test_a_return_to_clean_after_a_sensor_fault_is_seen_at_once(fault, batch):
     changes = _changes_at(x, batch)
     assert len(changes) == 1
     assert 500 < changes[0] <= 500 + max(64, 2 * batch)
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_a_mild_return_the_window_test_misses_is_called_by_the_cusum(batch, monkeypatch):
+    """500 images with Gaussian noise of sigma 0.1, then 500 clean ones (issue 50 item 9's
+    stream: the window test's largest z after the return is at its threshold): the CUSUM
+    calls the return within 160 clean images; without it no change is called."""
+    x = np.concatenate([_images("gauss-0.1", 0, 500), _images("clean", 500, 1000)])
+    changes = _changes_at(x, batch)
+    assert len(changes) == 1 and 500 < changes[0] <= 660
+    monkeypatch.setattr(inputwatch, "CUSUM_H", math.inf)
+    assert _changes_at(x, batch) == []
 
 
 def test_descriptors_see_noise_contrast_and_blur_apart():
