@@ -137,7 +137,7 @@ sweep: setup data
 # then clean images, one image per step, NoAdapt against EVA-0; one report per stream and seed
 # (HOSTILE_SEEDS orders the stream and draws the perturbations; the table averages the seeds).
 # HOSTILE_SET: overrides for EVA-0 (e.g. --set bank_slots=8), HOSTILE_OUT: the reports' folder.
-HOSTILE_STREAMS := black repeat gauss-0.1 gauss-0.2 gauss-0.3 gauss-0.5 blur-1 blur-2 jpeg-20 jpeg-5
+HOSTILE_STREAMS := black repeat gauss-0.05 gauss-0.1 gauss-0.2 gauss-0.3 gauss-0.5 blur-1 blur-2 jpeg-20 jpeg-5
 HOSTILE_LIMIT ?= 500
 HOSTILE_SEEDS ?= 0 1 2 3 4
 HOSTILE_SET ?=
