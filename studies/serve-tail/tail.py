@@ -1,0 +1,86 @@
+"""Where the asynchronous server's one-client gap to NoAdapt comes from (issue 50 item 5):
+perf_analyzer at one client against the shipped ResNet-GN (Gaussian-noise severity-5 test
+images, ``--threads 1``), served by NoAdapt, ``eva0 --async-adapt --budget 1.5`` and ``eva0
+--async-adapt --budget 1`` (the one-forward tier: no pass ever runs), interleaved rounds; in
+each server the worker's calls are timed (``probe/sitecustomize.py``: ``step`` is NoAdapt's
+whole batch, ``serve_step`` the asynchronous answer, ``learn`` a block's learning,
+``begin_pass`` / ``_finish_pass`` a pass's two ends on the worker).
+
+    python studies/serve-tail/tail.py --out results/serve-tail --rounds 3
+
+Writes ``tail.md`` and ``tail.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from eva0_edge.bench import serve_load
+from eva0_edge.bench.testbed.machine import environment
+from eva0_edge.runtime.modelfile import read_metadata
+
+MODEL = "models/resnet_gn_fmnist.onnx"
+SERVERS = (("noadapt", "noadapt", ()),
+           ("async@1.5", "eva0", ("--async-adapt", "--budget", "1.5")),
+           ("async@1", "eva0", ("--async-adapt", "--budget", "1")))
+PROBE = Path(__file__).resolve().parent / "probe"
+
+
+def one_run(label: str, method: str, extra: tuple[str, ...], data: Path, requests: int,
+            folder: Path) -> dict:
+    """perf_analyzer's measurement of one server, and its worker's call times (ms)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ["EVA0_PROBE_OUT"], os.environ["PYTHONPATH"] = str(folder), str(PROBE)
+    server = serve_load.ServeProcess(MODEL, method, 1, 10.0, "adaptive", 0, extra)
+    try:
+        row = serve_load._perf_analyzer_measures(serve_load.PERF_ANALYZER, server.url,
+                                                 Path(MODEL).stem, data, 1, 1, requests)
+        time.sleep(2.5)  # the probe's last write
+    finally:
+        server.stop()
+    (probe,) = folder.glob("*.json")
+    calls = {name: {"calls": len(s), "mean_ms": 1e3 * float(np.mean(s)),
+                    "p99_ms": 1e3 * float(np.percentile(s, 99)), "total_s": float(np.sum(s))}
+             for name, s in json.loads(probe.read_text()).items() if s}
+    return {"server": label, **row, "load": os.getloadavg()[0], "calls": calls}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=2000)
+    args = parser.parse_args()
+    images = serve_load.stream_images(read_metadata(MODEL), "gaussian_noise", 1)[:2000]
+    data = serve_load.perf_analyzer_data(images, Path(tempfile.mkdtemp()) / "data.json")
+    report = {"environment_start": environment(), "rows": []}
+    for round_, server in serve_load.round_order(list(SERVERS), args.rounds):
+        row = one_run(*server, data, args.requests, args.out / "probes" / f"{server[0]}-{round_}")
+        report["rows"].append({"round": round_, **row})
+        print(json.dumps(report["rows"][-1]), flush=True)
+    report["environment_end"] = environment()
+    lines = ["| round | server | images/s | x NoAdapt | p50 ms | p99 ms | worker call: mean ms "
+             "(calls) |", "|---|---|---|---|---|---|---|"]
+    for row in report["rows"]:
+        base = next(r for r in report["rows"]
+                    if r["round"] == row["round"] and r["server"] == "noadapt")
+        calls = ", ".join(f"{n} {c['mean_ms']:.3f} ({c['calls']})"
+                          for n, c in row["calls"].items() if n != "learn" or c["total_s"] > 0.05)
+        lines.append(f"| {row['round']} | {row['server']} | {row['images_per_s']:.0f} | "
+                     f"{row['images_per_s'] / base['images_per_s']:.2f} | {row['p50_ms']:.2f} | "
+                     f"{row['p99_ms']:.2f} | {calls} |")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "tail.md").write_text("\n".join(lines) + "\n")
+    (args.out / "tail.json").write_text(json.dumps(report, indent=1) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
