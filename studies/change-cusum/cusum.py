@@ -22,125 +22,70 @@ Writes ``detector.md`` and ``accuracy.md`` (and each ``eval`` run's report under
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from eva0_edge.bench.testbed.corruptions import CORRUPTIONS, corrupt_images
-from eva0_edge.bench.testbed.fashion_mnist import load_fashion_mnist, train_val_indices
-from eva0_edge.bench.testbed.hostile import hostile_images
-from eva0_edge.runtime import inputwatch
-from eva0_edge.runtime.modelfile import read_metadata
-from eva0_edge.runtime.preprocess import preprocess_uint8
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "change-threshold"))
+from threshold import (  # noqa: E402 - the sibling study's helpers
+    BATCHES,
+    MODELS,
+    accuracy_cells,
+    detector_cells,
+    run_eval,
+    validation_streams,
+)
+
+from eva0_edge.runtime import inputwatch  # noqa: E402
 
 OFF = (0.0, math.inf)
 CANDIDATES = (OFF, (0.25, 16.0), (0.25, 24.0), (0.25, 32.0), (0.5, 12.0), (0.5, 16.0))
 FAULTS = ("gauss-0.05", "gauss-0.1", "gauss-0.2", "gauss-0.3", "blur-1", "jpeg-20", "black")
-MODELS = ("resnet_gn_fmnist", "vit_fmnist")
-BATCHES = (1, 64)
 
 
 def _name(candidate: tuple[float, float]) -> str:
     return "off" if candidate == OFF else f"k{candidate[0]}-h{candidate[1]:g}"
 
 
-def _set(candidate: tuple[float, float]) -> None:
-    inputwatch.CUSUM_K, inputwatch.CUSUM_H = candidate
-
-
 def _calls(x: np.ndarray, batch: int, candidate: tuple[float, float]) -> list[int]:
     """The sample index after each batch whose observation called a change."""
-    _set(candidate)
+    inputwatch.CUSUM_K, inputwatch.CUSUM_H = candidate
     detector = inputwatch.InputChangeDetector()
     return [i + len(x[i:i + batch]) for i in range(0, len(x), batch)
             if detector.observe(x[i:i + batch])]
 
 
 def detector_table() -> str:
-    """Per candidate and batch: the first call after each fault's return (clean images served
-    before it; '-' not seen; calls before the return counted as early), the calls on the clean
-    images in order and sorted by class, and per severity the changes of corruption seen (a
-    call within 128 samples after one) and the calls elsewhere."""
-    images, labels = load_fashion_mnist("train")
-    _, val = train_val_indices(len(images))
-    images, labels = np.asarray(images)[val], np.asarray(labels)[val]
-    pre = read_metadata("models/vit_fmnist.onnx").preprocessing
-    streams = {f: preprocess_uint8(np.concatenate(
-        [hostile_images(f, images[:500], labels[:500], seed=0)[0], images[500:1000]]), pre)
-        for f in FAULTS}
-    clean = preprocess_uint8(images, pre)
+    """Per candidate and batch: the sibling study's detector cells, on the clean images in
+    order and sorted by class too."""
+    streams, clean, labels, continual = validation_streams(FAULTS)
     by_class = clean[np.argsort(labels, kind="stable")]
-    continual = {s: preprocess_uint8(np.concatenate(
-        [corrupt_images(images[k * 300:(k + 1) * 300], c, s, seed=0, start_index=k * 300)
-         for k, c in enumerate(CORRUPTIONS)]), pre) for s in (1, 3, 5)}
     lines = ["| CUSUM | B | " + " | ".join(f"{f} return" for f in FAULTS)
              + " | clean 5000 | by class 5000 | "
              + " | ".join(f"sev {s} seen / other" for s in continual) + " |",
              "|---" * (4 + len(FAULTS) + len(continual)) + "|"]
     for candidate in CANDIDATES:
         for batch in BATCHES:
-            cells = []
-            for fault in FAULTS:
-                calls = _calls(streams[fault], batch, candidate)
-                after = [c - 500 for c in calls if c > 500]
-                early = len(calls) - len(after)
-                cells.append(f"{after[0] if after else '-'}" + (f" ({early} early)" if early
-                                                                 else ""))
-            cells.append(str(len(_calls(clean, batch, candidate))))
-            cells.append(str(len(_calls(by_class, batch, candidate))))
-            for x in continual.values():
-                calls = _calls(x, batch, candidate)
-                seen = {c // 300 for c in calls if 0 < c % 300 <= 128 and c > 300}
-                cells.append(f"{len(seen)} / {len(calls) - len(seen)}")
+            cells = detector_cells(lambda x, b=batch, c=candidate: _calls(x, b, c), streams,
+                                   [clean, by_class], continual)
             lines.append(f"| {_name(candidate)} | {batch} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def _eval(out: Path, model: str, candidate: tuple[float, float], args: list[str]) -> dict:
-    """One ``eval`` run with the candidate CUSUM (kept under ``out``); its results."""
-    if not (out / "results.json").is_file():
-        code = ("import sys; import eva0_edge.runtime.inputwatch as w; "
-                "w.CUSUM_K, w.CUSUM_H = float(sys.argv[1]), float(sys.argv[2]); "
-                "from eva0_edge.cli import main; main(sys.argv[3:])")
-        subprocess.run([sys.executable, "-c", code, str(candidate[0]), str(candidate[1]),
-                        "eval", "--model", f"models/{model}.onnx", "--split", "val",
-                        "--threads", "1", "--methods", "noadapt,eva0", *args, "--out",
-                        str(out), "-q"], check=True, stdout=subprocess.DEVNULL)
-    return json.loads((out / "results.json").read_text())["results"]
-
-
-def _row(results: dict, method: str, batch: int) -> dict:
-    """A method's results at one batch size (an ``eval`` run of one batch size keys them by
-    the method alone)."""
-    return results.get(f"{method} B={batch}", results.get(method))
-
-
 def accuracy_table(out: Path, candidates: list[tuple[float, float]]) -> str:
-    """EVA-0 minus NoAdapt (points): on the clean half of each faulty-then-clean stream (batch
-    1), and on the continual stream's average (batch 1 and 64), per model and candidate."""
+    """The sibling study's accuracy cells per model and candidate."""
     lines = ["| model | CUSUM | " + " | ".join(f"{f} then clean" for f in FAULTS)
              + " | continual sev 3 B 1 | continual sev 3 B 64 |",
              "|---" * (4 + len(FAULTS)) + "|"]
     for model in MODELS:
         for candidate in [OFF, *candidates]:
-            name, cells = _name(candidate), []
-            for fault in FAULTS:
-                r = _eval(out / "runs" / f"{model}-{name}-{fault}", model, candidate, [
-                    "--protocol", "continual", "--corruptions", f"{fault},clean",
-                    "--limit", "500", "--batch-sizes", "1"])
-                gain = _row(r, "eva0", 1)["accuracy"]["clean"] - \
-                    _row(r, "noadapt", 1)["accuracy"]["clean"]
-                cells.append(f"{gain:+.1f}")
-            r = _eval(out / "runs" / f"{model}-{name}-continual3", model, candidate, [
-                "--protocol", "continual", "--severity", "3", "--limit", "200",
-                "--batch-sizes", "1,64"])
-            for b in BATCHES:
-                gain = _row(r, "eva0", b)["average"] - _row(r, "noadapt", b)["average"]
-                cells.append(f"{gain:+.2f}")
+            name = _name(candidate)
+            setup = ("import eva0_edge.runtime.inputwatch as w; "
+                     f"w.CUSUM_K, w.CUSUM_H = {candidate[0]}, float('{candidate[1]}')")
+            cells = accuracy_cells(lambda run, args, m=model, s=setup, n=name:
+                                   run_eval(out / "runs" / f"{m}-{n}-{run}", m, s, args), FAULTS)
             lines.append(f"| {model} | {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
