@@ -36,6 +36,7 @@ from threshold import (  # noqa: E402 - the sibling study's helpers
     detector_cells,
     run_eval,
     validation_streams,
+    write_tables,
 )
 
 from eva0_edge.runtime import inputwatch  # noqa: E402
@@ -101,15 +102,10 @@ def main() -> None:
     parser.add_argument("--parts", default="detector,accuracy")
     parser.add_argument("--accuracy", default="0.25/24", help="k/h candidates, comma separated")
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    if "detector" in args.parts:
-        table = detector_table()
-        (args.out / "detector.md").write_text(table)
-        print(table)
-    if "accuracy" in args.parts:
-        table = accuracy_table(args.out, [_parse(c) for c in args.accuracy.split(",")])
-        (args.out / "accuracy.md").write_text(table)
-        print(table)
+    write_tables(args.out, args.parts, {
+        "detector": detector_table,
+        "accuracy": lambda: accuracy_table(args.out, [_parse(c) for c in
+                                                      args.accuracy.split(",")])})
 
 
 if __name__ == "__main__":

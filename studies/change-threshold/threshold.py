@@ -161,15 +161,21 @@ def main() -> None:
     parser.add_argument("--parts", default="detector,accuracy")
     parser.add_argument("--accuracy-z", default="4.25")
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    if "detector" in args.parts:
-        table = detector_table()
-        (args.out / "detector.md").write_text(table)
-        print(table)
-    if "accuracy" in args.parts:
-        table = accuracy_table(args.out, [float(z) for z in args.accuracy_z.split(",")])
-        (args.out / "accuracy.md").write_text(table)
-        print(table)
+    write_tables(args.out, args.parts, {
+        "detector": detector_table,
+        "accuracy": lambda: accuracy_table(args.out, [float(z) for z in
+                                                      args.accuracy_z.split(",")])})
+
+
+def write_tables(out: Path, parts: str, tables: dict[str, Callable[[], str]]) -> None:
+    """Make each table named in ``parts`` (comma separated), write it to ``out/<name>.md`` and
+    print it."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name, make in tables.items():
+        if name in parts.split(","):
+            table = make()
+            (out / f"{name}.md").write_text(table)
+            print(table)
 
 
 if __name__ == "__main__":
