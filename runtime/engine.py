@@ -273,13 +273,20 @@ class Engine:
         return served.state is self.state and served.generation == self._generation and \
             served.step == self.state.step
 
-    def finish_served(
+    def estimate_served(
         self, served: ServedPass, outputs: tuple[np.ndarray, np.ndarray]
-    ) -> np.ndarray | None:
-        """The pass's estimate from its ORT call's ``outputs`` and its update; the prediction
+    ) -> GradientEstimate:
+        """The pass's estimate from its ORT call's ``outputs`` (logits, features). It only
+        reads the state the pass began on, and what it reads there (the target moments, the
+        output centre, the coefficients' running scale) only a step writes, so it may run on
+        the pass's thread: a step or a roll-back in between makes the pass not
+        :meth:`current` and :meth:`finish_served` is never called with it."""
+        return self.estimator.combine(served.prepared, *outputs, served.state, control=True)
+
+    def finish_served(self, served: ServedPass, est: GradientEstimate) -> np.ndarray | None:
+        """The pass's update from its estimate (:meth:`estimate_served`); the prediction
         [B, K] the health guard watches, or None when the step is skipped. Only for a
-        :meth:`current` pass (the estimate reads the state as it was at its start)."""
-        est = self.estimator.combine(served.prepared, *outputs, self.state, control=True)
+        :meth:`current` pass."""
         self.last.anchor_rows = served.n_anchor
         return self._update(est)
 

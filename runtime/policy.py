@@ -68,6 +68,7 @@ from .state import (
 
 if TYPE_CHECKING:
     from .engine import Engine, ServedPass
+    from .estimator import GradientEstimate
     from .foa import FOAModel
 
 log = logging.getLogger(__name__)
@@ -95,19 +96,21 @@ class AdaptationPass:
         """The samples the pass adapts on."""
         return int(self.served.x.shape[0])
 
-    def run(self) -> tuple[np.ndarray, np.ndarray]:
-        """The pass's ORT call: (logits, features) over its #FP x B perturbed rows. It touches
-        no Python state but the forward counter (locked), so it may run on another thread while
-        that one serves (when ``session.concurrent_calls``), holding the GIL only to enter
-        ORT."""
-        return self._model.estimator.run(self.served.x, self.served.prepared)
+    def run(self) -> GradientEstimate:
+        """The pass's ORT call over its #FP x B perturbed rows and the estimate from it
+        (:meth:`Engine.estimate_served`). It writes no Python state but the forward counter
+        (locked), so it may run on another thread while that one serves (when
+        ``session.concurrent_calls``): the serving thread then waits neither for the call nor
+        for the losses and the gradient, only for :meth:`finish`."""
+        outputs = self._model.estimator.run(self.served.x, self.served.prepared)
+        return self._model.estimate_served(self.served, outputs)
 
-    def finish(self, outputs: tuple[np.ndarray, np.ndarray]) -> bool:
-        """The estimate from :meth:`run`'s ``outputs`` and the update, then the guard watches
-        the step's prediction. A pass the state moved away from since it began (a roll-back, a
-        reset, a state installed) or begun before a pause or a freeze is dropped: its forwards
-        were spent, nothing is written. Returns whether the step ran."""
-        return self._policy._finish_pass(self.served, outputs)
+    def finish(self, est: GradientEstimate) -> bool:
+        """The update from :meth:`run`'s estimate, then the guard watches the step's
+        prediction. A pass the state moved away from since it began (a roll-back, a reset, a
+        state installed) or begun before a pause or a freeze is dropped: its forwards were
+        spent, nothing is written. Returns whether the step ran."""
+        return self._policy._finish_pass(self.served, est)
 
 
 class Policy:
@@ -448,13 +451,13 @@ class Policy:
             return None
         return AdaptationPass(self, m, m.begin_served(x))
 
-    def _finish_pass(self, served: ServedPass, outputs: tuple[np.ndarray, np.ndarray]) -> bool:
+    def _finish_pass(self, served: ServedPass, est: GradientEstimate) -> bool:
         """:meth:`AdaptationPass.finish`."""
         self.learn()
         m = self._engine()
         if not m.current(served) or not self._adapting():
             return False
-        prediction = m.finish_served(served, outputs)
+        prediction = m.finish_served(served, est)
         if prediction is not None:
             if self.guard is not None:
                 self._watch(self.guard, prediction)

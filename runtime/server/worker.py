@@ -21,9 +21,9 @@ rows join the recent inputs (the last ``max_batch`` rows; older ones are
 dropped from adaptation). Once ``max_batch`` rows are waiting, the queue is empty and no pass
 is running, the worker begins a pass on them (:meth:`~..policy.Policy.begin_pass`,
 within the compute budget: the perturbed rows). Its ORT call (the 2 x #rows forwards; the GIL
-released) runs on a second thread that Linux schedules only on CPU nothing else wants
-(SCHED_IDLE; nice 19 where that is refused) while the worker goes on serving; the worker
-computes the estimate and applies the update when the call is done
+released) and the estimate from it (the losses and the gradient) run on a second thread that
+Linux schedules only on CPU nothing else wants (SCHED_IDLE; nice 19 where that is refused)
+while the worker goes on serving; the worker applies the update when they are done
 (:meth:`~..policy.AdaptationPass.finish`, dropped if a roll-back, reset or installed
 state came in between). So serving never waits for a pass, and a busy CPU starves passes, not
 answers. (On a session whose ORT calls share one IOBinding, the CUDA default, the call runs on
@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from ..estimator import GradientEstimate
 from ..policy import AdaptationPass, Policy
 from .snapshots import SnapshotStore
 
@@ -67,7 +68,7 @@ class _Control:
 
 _STOP = object()
 _WAKE = object()  # an announced request was withdrawn: look again whether to wait
-_PASS_DONE = object()  # the running pass's ORT call is done (or failed)
+_PASS_DONE = object()  # the running pass's ORT call and estimate are done (or failed)
 
 # Where SCHED_IDLE is missing or refused: the pass thread's nice value, the lowest priority.
 PASS_NICE = 19
@@ -91,10 +92,10 @@ def _lower_priority() -> None:
 
 @dataclass
 class _Pass:
-    """The running adaptation pass: what it began on and its ORT call's future."""
+    """The running adaptation pass: what it began on and the future of its ORT call and estimate."""
 
     adaptation: AdaptationPass
-    outputs: Future
+    estimate: Future
 
 
 @dataclass
@@ -247,7 +248,7 @@ class AdaptationWorker:
                 continue
             self._batch(item)
         self._learn_waiting()
-        if self._pass is not None and self._pass.outputs.done():  # its update is kept
+        if self._pass is not None and self._pass.estimate.done():  # its update is kept
             self._finish_pass()
         elif self._pass is not None:  # starved (its thread runs on idle CPU only): abandoned
             rows, self._pass = self._pass.adaptation.rows, None
@@ -367,25 +368,22 @@ class AdaptationWorker:
         if self._runs is None:  # one IOBinding: the ORT call here, between requests
             self._apply(adaptation, adaptation.run)
             return
-        outputs = self._runs.submit(adaptation.run)
-        self._pass = _Pass(adaptation, outputs)
-        outputs.add_done_callback(lambda _: self._queue.put(_PASS_DONE))
+        estimate = self._runs.submit(adaptation.run)
+        self._pass = _Pass(adaptation, estimate)
+        estimate.add_done_callback(lambda _: self._queue.put(_PASS_DONE))
 
     def _finish_pass(self) -> None:
         """Apply the running pass, waiting for its ORT call if need be."""
         running, self._pass = self._pass, None
         if running is not None:  # None: a late wake-up of a pass finished at stop
-            self._apply(running.adaptation, running.outputs.result)
+            self._apply(running.adaptation, running.estimate.result)
 
-    def _apply(
-        self, adaptation: AdaptationPass,
-        outputs: Callable[[], tuple[np.ndarray, np.ndarray]],
-    ) -> None:
-        """The pass's estimate and update from ``outputs()``; the policy drops a pass the state
-        moved away from."""
+    def _apply(self, adaptation: AdaptationPass, estimate: Callable[[], GradientEstimate]) -> None:
+        """The pass's update from its ``estimate()`` (its ORT call and estimate, run on the pass
+        thread or here); the policy drops a pass the state moved away from."""
         rows = adaptation.rows
         try:
-            ran = adaptation.finish(outputs())
+            ran = adaptation.finish(estimate())
         except Exception:  # noqa: BLE001 - the answers went out; serving goes on
             log.exception("adaptation pass failed; its %d samples are dropped", rows)
             ran = False

@@ -8,6 +8,9 @@ whole batch, ``serve_step`` the asynchronous answer, ``learn`` a block's learnin
 
     python studies/serve-tail/tail.py --out results/serve-tail --rounds 3
 
+``--code NAME=PATH`` (repeatable) serves the asynchronous servers from each named source tree
+too (``PATH`` a folder holding an ``eva0_edge`` package, put first on ``PYTHONPATH``; NoAdapt
+from the installed one), interleaved with the rest; ``--servers`` picks the servers by label.
 Writes ``tail.md`` and ``tail.json``.
 """
 
@@ -33,11 +36,13 @@ SERVERS = (("noadapt", "noadapt", ()),
 PROBE = Path(__file__).resolve().parent / "probe"
 
 
-def one_run(label: str, method: str, extra: tuple[str, ...], data: Path, requests: int,
-            folder: Path) -> dict:
-    """perf_analyzer's measurement of one server, and its worker's call times (ms)."""
+def one_run(label: str, method: str, extra: tuple[str, ...], code: str, data: Path,
+            requests: int, folder: Path) -> dict:
+    """perf_analyzer's measurement of one server (its package from ``code``, a folder, or the
+    installed one when empty), and its worker's call times (ms)."""
     folder.mkdir(parents=True, exist_ok=True)
-    os.environ["EVA0_PROBE_OUT"], os.environ["PYTHONPATH"] = str(folder), str(PROBE)
+    os.environ["EVA0_PROBE_OUT"] = str(folder)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (code, str(PROBE)) if p)
     server = serve_load.ServeProcess(MODEL, method, 1, 10.0, "adaptive", 0, extra)
     try:
         row = serve_load._perf_analyzer_measures(serve_load.PERF_ANALYZER, server.url,
@@ -57,12 +62,21 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--code", action="append", default=[], help="NAME=PATH, repeatable")
+    parser.add_argument("--servers", default=",".join(label for label, _, _ in SERVERS))
     args = parser.parse_args()
+    codes = [tuple(c.split("=", 1)) for c in args.code] or [("", "")]
+    chosen = args.servers.split(",")
+    sweep = [(label + (f"/{name}" if name and method != "noadapt" else ""), method, extra,
+              path if method != "noadapt" else "")
+             for label, method, extra in SERVERS if label in chosen
+             for name, path in (codes if method != "noadapt" else codes[:1])]
     images = serve_load.stream_images(read_metadata(MODEL), "gaussian_noise", 1)[:2000]
     data = serve_load.perf_analyzer_data(images, Path(tempfile.mkdtemp()) / "data.json")
     report = {"environment_start": environment(), "rows": []}
-    for round_, server in serve_load.round_order(list(SERVERS), args.rounds):
-        row = one_run(*server, data, args.requests, args.out / "probes" / f"{server[0]}-{round_}")
+    for round_, server in serve_load.round_order(sweep, args.rounds):
+        folder = args.out / "probes" / f"{server[0].replace('/', '-')}-{round_}"
+        row = one_run(*server, data, args.requests, folder)
         report["rows"].append({"round": round_, **row})
         print(json.dumps(report["rows"][-1]), flush=True)
     report["environment_end"] = environment()

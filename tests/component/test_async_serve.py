@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from eva0_edge.runtime.engine import Engine
 from eva0_edge.runtime.policy import LEARN_BLOCK, AdaptationPass, Policy
 from eva0_edge.runtime.server.worker import AdaptationWorker
 from tests.fixtures import SHIPPED_VIT
@@ -188,6 +189,29 @@ def test_serving_goes_on_while_a_pass_runs(started, monkeypatch):
     release.set()
     wait_for(lambda: worker.counts()["adapted_samples"] == 4)
     assert worker.call(lambda m: m.state.step).result(30) == 1
+
+
+def test_a_pass_estimate_is_computed_on_the_pass_thread(started, monkeypatch):
+    """The losses and the gradient from a pass's ORT call (``Engine.estimate_served``) run on
+    the pass thread too: while they are held the worker answers the next batch, and the
+    update lands once they are done."""
+    release, seen = threading.Event(), []
+    estimate = Engine.estimate_served
+
+    def held(engine, served, outputs):
+        seen.append(threading.get_ident())
+        assert release.wait(30)
+        return estimate(engine, served, outputs)
+
+    monkeypatch.setattr(Engine, "estimate_served", held)
+    model = Policy.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
+    worker = started(model, max_batch=4)
+    worker.submit(images(4, 0)).result(30)
+    wait_for(lambda: seen != [])
+    worker.submit(images(4, 1)).result(30)
+    assert seen[0] != worker._thread.ident and worker.counts()["adapted_samples"] == 0
+    release.set()
+    wait_for(lambda: worker.counts()["adapted_samples"] >= 4)
 
 
 @pytest.mark.parametrize("move", [
