@@ -15,7 +15,7 @@ version=2.60.0
 wrapper=$dir/perf_analyzer
 if [ -x "$wrapper" ] && "$wrapper" --version >/dev/null 2>&1; then echo "$wrapper"; exit 0; fi
 mkdir -p "$dir"
-glibc=$(ldd --version | head -1 | grep -oE '[0-9]+\.[0-9]+$')
+glibc=$(getconf GNU_LIBC_VERSION | awk '{print $2}')  # no early-closing pipe: pipefail would see SIGPIPE
 python3 -m pip download -q --no-deps "perf-analyzer==$version" --only-binary=:all: \
   --platform manylinux_2_38_x86_64 -d "$dir/wheel-dl" >&2
 rm -rf "$dir/wheel" && python3 -m zipfile -e "$dir"/wheel-dl/perf_analyzer-*.whl "$dir/wheel"
