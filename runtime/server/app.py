@@ -50,7 +50,7 @@ from .routes_adaptation import adaptation_router, metrics_router
 from .routes_dashboard import dashboard_router
 from .routes_oip import oip_router
 from .routes_triton import triton_router
-from .series import AdaptationSeries
+from .series import AdaptationSeries, reading
 from .snapshots import SnapshotStore
 from .worker import AdaptationWorker, StepRecord
 
@@ -94,6 +94,7 @@ def create_app(
             restored = snapshots.restore_latest(model)
             if restored:
                 log.info("resumed from %s at step %d", restored, model.health().step)
+        series.begin(reading(model, model.stats()))  # before the worker owns the model
         worker.start()
         if extension is not None:
             extension.start(worker)

@@ -234,6 +234,13 @@ class AdaptationSeries:
         if self.due():
             self.close(model)
 
+    def begin(self, values: dict[str, float]) -> None:
+        """The model's reading (by field, see :func:`reading`) before the first request: the
+        first point's events count from it (a trip in the first interval is an event; a
+        restored state's history is not)."""
+        with self._lock:
+            self._previous = values
+
     def close(self, model: Policy) -> None:
         """Close the open point now with the model's reading (on the thread that owns the
         model: the worker's); a new point opens."""

@@ -112,6 +112,17 @@ def test_counter_rises_are_events_and_a_reset_is_one():
     assert series.events_since(t[1]) == events[-1:]
 
 
+def test_the_first_point_counts_its_events_from_the_reading_at_start():
+    """A trip in the first interval is an event (counted from the reading before the first
+    request); the history a restored state brings is not."""
+    series, clock = make()
+    series.begin(values(steps=30, samples=300, trips=2))
+    clock.now += 1.0
+    series.add(values(steps=34, samples=340, trips=3), reason="entropy below its bound")
+    assert [(e["kind"], e["detail"]) for e in series.events_since()] == [
+        ("trip", "entropy below its bound")]
+
+
 def test_events_are_bounded():
     series, clock = make()
     for i in range(EVENT_CAPACITY + 10):
