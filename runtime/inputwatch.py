@@ -127,9 +127,10 @@ class InputChangeDetector:
         values = self.last_values = describe(x)
         self.recent_mean, self.recent_weight = windowed_update(
             self.recent_mean, self.recent_weight, values, self.recent_factor)
-        self.last_z_squared = self._z_squared()
+        window = self.long_window()  # before the batch: both tests compare against it
+        self.last_z_squared = self._z_squared(window)
         changed = self.last_z_squared is not None and self.last_z_squared > CHANGE_Z**2
-        changed |= self._cusum_exceeded(values)
+        changed |= self._cusum_exceeded(values, window)
         self.long_moments, self.long_weight = windowed_update(
             self.long_moments, self.long_weight, np.concatenate([values, values**2], axis=1),
             self.long_factor)
@@ -139,28 +140,29 @@ class InputChangeDetector:
         self.restart()
         return True
 
-    def _cusum_exceeded(self, values: np.ndarray) -> bool:
+    def _cusum_exceeded(self, values: np.ndarray, window: tuple[np.ndarray, np.ndarray]) -> bool:
         """Add the batch's descriptors [B, 3] to the CUSUM (each one's deviation from the long
-        window's mean, before the batch, in its standard deviations, clipped to
+        ``window``'s mean, before the batch, in its standard deviations, clipped to
         ``CUSUM_CLIP``, less ``CUSUM_K`` per sample, the sums floored at 0 after each batch)
         and return whether one sum is over ``CUSUM_H``; nothing is added before the long
         window holds ``CUSUM_MIN_SAMPLES`` samples' weight."""
         if self.long_weight < 1.0 - self.long_factor**CUSUM_MIN_SAMPLES:
             return False
-        mean, variance = self.long_window()
+        mean, variance = window
         deviation = np.clip((values - mean) / np.sqrt(variance), -CUSUM_CLIP, CUSUM_CLIP)
         total = deviation.sum(axis=0)
         self.cusum = np.maximum(
             self.cusum + np.concatenate([total, -total]) - CUSUM_K * len(values), 0.0)
         return bool(self.cusum.max() > CUSUM_H)
 
-    def _z_squared(self) -> float | None:
-        """The largest descriptor's z^2, recent window against long; None before both hold
+    def _z_squared(self, window: tuple[np.ndarray, np.ndarray]) -> float | None:
+        """The largest descriptor's z^2, recent window against the long ``window`` (its mean and
+        variance, :meth:`long_window`); None before both hold
         ``RECENT_SAMPLES`` samples' weight."""
         if self.recent_weight < 1.0 - self.recent_factor**RECENT_SAMPLES or \
                 self.long_weight < 1.0 - self.long_factor**RECENT_SAMPLES:
             return None
-        mean, variance = self.long_window()
+        mean, variance = window
         z_squared = (self.recent_mean - mean) ** 2 * RECENT_SAMPLES / variance
         return float(z_squared.max())
 
