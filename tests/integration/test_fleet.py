@@ -110,16 +110,25 @@ def test_the_local_ray_instance_listens_on_loopback_only(fleet):
 
 
 def test_two_replicas_answer_through_the_proxy(fleet, pixels):
-    answers = infer_each(fleet, pixels)
-    failed = {i: repr(a) for i, a in enumerate(answers) if isinstance(a, Exception)}
-    assert not failed, failed
-    assert all(a.shape == (1, 10) for a in answers)
-    predicted = np.array([a.argmax() for a in answers])
-    # each request gets its own row back: adaptation moves a few near-ties, a mix-up all
-    assert np.mean(predicted == noadapt_predictions(pixels)) >= 0.9
-    stats = statistics_by_replica(fleet)
-    assert len(stats) == 2
-    assert all(s["fleet"]["replicas"] == 2 and s["steps"] > 0 for s in stats.values())
+    """Both replicas serve and adapt. Which replica a request reaches is Ray Serve's choice (it
+    prefers the replica whose queue-length probe answered; on a loaded host one round of 96 has
+    gone to one replica only), so the stream is sent again, up to four times, until both did."""
+    reference = noadapt_predictions(pixels)
+    for _ in range(4):
+        answers = infer_each(fleet, pixels)
+        failed = {i: repr(a) for i, a in enumerate(answers) if isinstance(a, Exception)}
+        assert not failed, failed
+        assert all(a.shape == (1, 10) for a in answers)
+        predicted = np.array([a.argmax() for a in answers])
+        # each request gets its own row back: adaptation moves a few near-ties, a mix-up all
+        assert np.mean(predicted == reference) >= 0.9
+        stats = statistics_by_replica(fleet)
+        assert len(stats) == 2
+        if all(s["samples"] > 0 for s in stats.values()):
+            break
+    served = {r: (s["samples"], s["steps"], s["fleet"]["replicas"]) for r, s in stats.items()}
+    assert all(samples > 0 and steps > 0 and replicas == 2
+               for samples, steps, replicas in served.values()), served
 
 
 def test_each_replicas_series_names_it_through_the_proxy(fleet):
