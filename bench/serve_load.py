@@ -5,24 +5,27 @@
 
 For every method a real server process starts on a free loopback port; at each concurrency,
 that many tritonclient.http clients (threads of this process) send ``--requests`` requests each
-of ``--batch`` preprocessed images, back to back, after ``--warmup`` untimed ones: one random
-image again and again, or with ``--stream CORRUPTION`` the Fashion-MNIST-C test images of that
-corruption at severity 5 in order (the shifted stream adaptation is for; the random image
-keeps the health guard in its pause). Latency is
-per request, client side (send to parsed response); throughput is images per second of wall
-time. ``--delays adaptive,fixed`` runs each method under both batching delays (the server's
-default, adaptive, and ``--fixed-delay``). A method named ``eva0+async`` is served with
-``--async-adapt`` (answers from one forward, adaptation on answered inputs while idle), one
-named ``METHOD@F`` with ``--budget F`` (``eva0+async@1.5``). The
-clients share the machine with the server: on a 2-core machine they take CPU from it, so the
-numbers are for the whole client + server system.
+of ``--batch`` preprocessed images, back to back, after ``--warmup`` untimed ones (sent by
+these clients before the load is timed and before the server's forward counter is read, with
+either load generator: a budgeted server's bucket starts full, and at ``--budget 1.5`` the
+first 1400 or so images spend it and refill it, so a steady-state measurement warms up past
+them): one random image again and again, or with ``--stream CORRUPTION`` the Fashion-MNIST-C
+test images of that corruption at severity 5 in order (the shifted stream adaptation is for;
+the random image keeps the health guard in its pause). Latency is per request, client side
+(send to parsed response); throughput is images per second of wall time. ``--delays
+adaptive,fixed`` runs each method under both batching delays (the server's default, adaptive,
+and ``--fixed-delay``). A method named ``eva0+async`` is served with ``--async-adapt``
+(answers from one forward, adaptation on answered inputs while idle), one named ``METHOD@F``
+with ``--budget F`` (``eva0+async@1.5``). The clients share the machine with the server: on
+a 2-core machine they take CPU from it, so the numbers are for the whole client + server
+system.
 ``--replicas 0,1,2`` repeats everything on the plain server (0) and on fleets of 1 and 2 Ray Serve
 replicas (``serve --replicas N``, the [fleet] extra; ``--threads`` is then each replica's ORT
 threads; the rows-per-step column is one replica's, from the ``/metrics`` that answered).
 ``--rounds N`` repeats the whole sweep N times, interleaved (a slow spell of a shared machine
 then hits every method), each round starting one setting later than the one before (a
 rotation: a fixed order can favour a position); the table shows medians over the rounds,
-images/s and p50 also as the median of each round's ratio to NoAdapt's in the same setting,
+images/s, p50 and p99 also as the median of each round's ratio to NoAdapt's in the same setting,
 and the forwards per sample the server counted over each load (``-`` for a fleet, whose
 replicas count apart).
 ``--client perf_analyzer`` generates the load with Triton's perf_analyzer instead (one light
@@ -149,15 +152,14 @@ class ServeProcess:
         self.log.close()
 
 
-def _load(url: str, name: str, images: np.ndarray, batch: int, clients: int, requests: int,
-          warmup: int):
-    """Every client sends ``warmup`` + ``requests`` batches of ``batch`` rows of ``images``
-    [N, C, H, W], the next rows each time (client i starts i x (warmup + requests) batches in,
-    wrapping around)."""
+def _load(url: str, name: str, images: np.ndarray, batch: int, clients: int, requests: int):
+    """Every client sends ``requests`` batches of ``batch`` rows of ``images`` [N, C, H, W],
+    the next rows each time (client i starts i x requests batches in, wrapping around); returns
+    each request's latency (s) and the load's wall time (s)."""
     def run(client_index: int) -> list[float]:
         client = httpclient.InferenceServerClient(url)
         output = [httpclient.InferRequestedOutput("logits")]
-        first = client_index * (warmup + requests) * batch
+        first = client_index * requests * batch
 
         def send(k: int) -> None:
             rows = np.arange(first + k * batch, first + (k + 1) * batch) % images.shape[0]
@@ -166,10 +168,8 @@ def _load(url: str, name: str, images: np.ndarray, batch: int, clients: int, req
             client.infer(name, [tensor], outputs=output)
 
         try:
-            for k in range(warmup):
-                send(k)
             latencies = []
-            for k in range(warmup, warmup + requests):
+            for k in range(requests):
                 start = time.perf_counter()
                 send(k)
                 latencies.append(time.perf_counter() - start)
@@ -184,11 +184,11 @@ def _load(url: str, name: str, images: np.ndarray, batch: int, clients: int, req
 
 
 def _python_measures(url: str, name: str, images: np.ndarray, batch: int, clients: int,
-                     requests: int, warmup: int) -> dict[str, float]:
+                     requests: int) -> dict[str, float]:
     """The Python clients' load (:func:`_load`): requests, images/s, p50 and p99 (ms)."""
-    latencies, wall = _load(url, name, images, batch, clients, requests, warmup)
+    latencies, wall = _load(url, name, images, batch, clients, requests)
     return {"requests": int(latencies.size),
-            "images_per_s": clients * (requests + warmup) * batch / wall,
+            "images_per_s": clients * requests * batch / wall,
             "p50_ms": 1000 * float(np.percentile(latencies, 50)),
             "p99_ms": 1000 * float(np.percentile(latencies, 99))}
 
@@ -282,17 +282,19 @@ def run_load(
         server = ServeProcess(model, served_method, threads, max_delay_ms, delay, fleet, extra)
         try:
             for clients in concurrency:
+                if warmup:  # untimed, and before the counters are read
+                    _load(server.url, name, images, batch, clients, warmup)
                 rows_before, steps_before = server.step_counts()
                 counted_before = None if fleet else server.forward_counts(name)
                 if data is None:
                     measured = _python_measures(server.url, name, images, batch, clients,
-                                                requests, warmup)
+                                                requests)
                 else:
                     measured = _perf_analyzer_measures(Path(perf_analyzer), server.url, name,
                                                        data, batch, clients, requests)
                 rows_after, steps_after = server.step_counts()
                 steps = steps_after - steps_before
-                forwards_per_sample = None
+                forwards_per_sample = samples = None
                 if counted_before is not None:  # a fleet's replicas count apart
                     forwards, samples = np.subtract(server.forward_counts(name), counted_before)
                     forwards_per_sample = float(forwards / samples)
@@ -302,6 +304,7 @@ def run_load(
                     "steps": int(steps),
                     "rows_per_step": (rows_after - rows_before) / steps if steps else None,
                     "forwards_per_sample": forwards_per_sample,
+                    "samples": None if samples is None else int(samples),
                 })
                 r = rows[-1]
                 print(f"{method} ({delay}, replicas {fleet}) x{clients}: "
@@ -324,7 +327,7 @@ MEASURES = ("images_per_s", "p50_ms", "p99_ms", "rows_per_step", "forwards_per_s
 
 def summary(report: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per (method, delay, replicas, concurrency) in run order: the median over the
-    rounds of every measure, and the medians over rounds of images/s and p50 relative to
+    rounds of every measure, and the medians over rounds of images/s, p50 and p99 relative to
     NoAdapt's in the same round and setting (None without a NoAdapt run), with the lowest and
     highest of those per-round ratios (``..._range``)."""
     def setting(r: dict[str, Any]) -> tuple:
@@ -342,7 +345,8 @@ def summary(report: dict[str, Any]) -> list[dict[str, Any]]:
         for key in MEASURES:
             values = [r[key] for r in runs if r.get(key) is not None]
             row[key] = float(np.median(values)) if values else None
-        for key, name in (("images_per_s", "images_vs_noadapt"), ("p50_ms", "p50_vs_noadapt")):
+        for key, name in (("images_per_s", "images_vs_noadapt"), ("p50_ms", "p50_vs_noadapt"),
+                          ("p99_ms", "p99_vs_noadapt")):
             ratios = [r[key] / base[key] for r in runs
                       if (base := noadapt.get((r.get("round", 0), *setting(r))))]
             row[name] = float(np.median(ratios)) if ratios else None
@@ -363,8 +367,8 @@ def markdown(report: dict[str, Any]) -> str:
            if rounds > 1 else ""),
         "",
         "| method | delay | replicas | clients | batch | images/s | x NoAdapt | p50 ms "
-        "| x NoAdapt | p99 ms | rows per step | fwd/sample |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| x NoAdapt | p99 ms | x NoAdapt | rows per step | fwd/sample |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary(report):
         lines.append(
@@ -372,6 +376,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"{r['concurrency']} | {r['batch']} | {r['images_per_s']:.1f} | "
             f"{_ratio(r, 'images_vs_noadapt', rounds)} | {r['p50_ms']:.1f} | "
             f"{_ratio(r, 'p50_vs_noadapt', rounds)} | {r['p99_ms']:.1f} | "
+            f"{_ratio(r, 'p99_vs_noadapt', rounds)} | "
             f"{_optional(r['rows_per_step'])} | {_optional(r['forwards_per_sample'])} |"
         )
     return "\n".join(lines) + "\n"
@@ -429,7 +434,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", default="noadapt,eva0")
     parser.add_argument("--batch", type=int, default=1, help="images per request")
     parser.add_argument("--requests", type=int, default=50, help="timed requests per client")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed requests per client")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed requests per client, "
+                        "sent before the load is timed and the server's counters read")
     parser.add_argument("--threads", type=int, help="server ORT threads")
     parser.add_argument("--max-delay-ms", type=float, default=10.0)
     parser.add_argument("--delays", default="adaptive",

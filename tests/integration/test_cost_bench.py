@@ -170,13 +170,15 @@ def test_quant_and_serve_benchmarks_write_their_outputs(tmp_path):
     assert all(c["peak_rss_mib"] > 50 for c in speed["quantize"].values())  # a real process
     assert (tmp_path / "speed" / "quant_speed.png").stat().st_size > 10_000
     serve_load.main(["--model", model, "--concurrency", "1,2", "--methods", "eva0",
-                     "--requests", "3", "--warmup", "1", "--threads", "1",
+                     "--requests", "3", "--warmup", "4", "--threads", "1",
                      "--delays", "adaptive,fixed", "--out", str(tmp_path / "load")])
     report = json.loads((tmp_path / "load" / "serve_load.json").read_text())
     assert [(r["delay"], r["concurrency"]) for r in report["rows"]] == [
         ("adaptive", 1), ("adaptive", 2), ("fixed", 1), ("fixed", 2)
     ]
     assert all(r["p99_ms"] >= r["p50_ms"] > 0 for r in report["rows"])
+    # the warmup is neither timed nor counted: the server's samples are the timed requests'
+    assert [r["samples"] for r in report["rows"]] == [3, 6, 3, 6]
     # the server's own counter over each load: EVA-0 adapts (> 1), two forwards at most
     assert all(1.0 < r["forwards_per_sample"] <= 2.0 for r in report["rows"])
     assert (tmp_path / "load" / "serve_load.png").stat().st_size > 10_000
@@ -243,14 +245,16 @@ def test_serve_load_table_is_the_median_of_interleaved_rounds(tmp_path):
     assert adapting["images_per_s"] == 60 and adapting["rounds"] == 3
     assert adapting["images_vs_noadapt"] == pytest.approx(0.9)  # of 0.9, 1.0, 0.5
     assert adapting["p50_vs_noadapt"] == pytest.approx(1.1)  # of 1.1, 1.0, 2.0
+    assert adapting["p99_vs_noadapt"] == pytest.approx(1.1)  # p99 is 2 x p50 in each
     assert adapting["images_vs_noadapt_range"] == pytest.approx((0.5, 1.0))
     env = environment()
     report = {**report, "architecture": "a", "model": "m.onnx", "rounds": 3, "threads": 1,
               "max_delay_ms": 10.0, "environment_start": env, "environment_end": env}
     table = serve_load.markdown(report)
     assert ("| eva0+async | adaptive | plain | 16 | 1 | 60.0 | 0.90 (0.50-1.00) | 16.0 | "
-            "1.10 (1.00-2.00) |") in table
-    assert "| noadapt | adaptive | plain | 16 | 1 | 100.0 | 1.00 | 10.0 | 1.00 |" in table
+            "1.10 (1.00-2.00) | 32.0 | 1.10 (1.00-2.00) |") in table
+    assert "| noadapt | adaptive | plain | 16 | 1 | 100.0 | 1.00 | 10.0 | 1.00 | 20.0 | 1.00 |" \
+        in table
     saved = tmp_path / "saved.json"
     saved.write_text(json.dumps(report))
     serve_load.main(["--report", str(saved), "--out", str(tmp_path / "again")])
