@@ -86,10 +86,13 @@ def test_the_gpu_tables_are_the_committed_gpu_run():
 def test_the_asynchronous_serving_tables_are_the_committed_runs():
     """The async_stream and serve_load tables of ``serve --async-adapt`` on
     docs/results/serving.md are the committed runs' (results/async-stream/,
-    results/serve-async/, results/serve-perf-analyzer/: perf_analyzer's load), row for row."""
+    results/serve-async/, results/serve-perf-analyzer/ and results/serve-steady/: perf_analyzer's
+    load), row for row."""
     text = page("serving")
     for run, stem in (("async-stream", "async_stream"), ("serve-async", "serve_load"),
-                      ("serve-perf-analyzer", "serve_load")):
+                      ("serve-perf-analyzer", "serve_load"),
+                      ("serve-steady/one-client", "serve_load"),
+                      ("serve-steady/thirteen-clients", "serve_load")):
         summary = (ROOT / "results" / run / f"{stem}.md").read_text()
         table = "\n".join(line for line in summary.splitlines() if line.startswith("|"))
         assert table in text, f"docs/results/serving.md's {run} table is not " \
