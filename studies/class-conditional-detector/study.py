@@ -1,0 +1,186 @@
+"""Does an input change detector that compares each image with images of its own predicted
+class stop calling changes at the class boundaries of a label-sorted stream, and still see the
+changes of corruption? Issue 49's open item: on ``imbalanced`` streams (each corruption's
+images sorted by class) the input change detector calls a change at most class boundaries (27
+in a 300-image domain of the BatchNorm model's validation stream), each call restarts the
+activation shift's windows and starts a guard audit, and full-rate EVA-0 reads 2-3 points
+under the one-forward tier. Offline, on the validation split only; no engine change.
+
+Two detectors, one image at a time (batch 1), on the ViT's preprocessing:
+
+* ``today``: :class:`eva0_edge.runtime.inputwatch.InputChangeDetector` as it ships (the window
+  test and the CUSUM on the three descriptors);
+* ``per class``: the same two tests on each image's descriptors standardised by the windows of
+  its predicted class (theta0's prediction, NoAdapt's: a stand-in for the served one): per class
+  a window of ``CLASS_SAMPLES`` samples' mean and mean square, taken before the image; an image
+  whose class window holds under ``MIN_CLASS_SAMPLES`` samples' weight is only added to it. The
+  residual's recent window (32) is tested at z 4.5 against 0 with variance 1, and its CUSUM at
+  k 0.25, h 24 with deviations clipped to 3, both as ``today``'s; every window restarts at a
+  call.
+
+Streams (validation images): the 5000 clean ones in order and sorted by class; the
+15-corruption continual stream (300 images per corruption) at severity 1, 3 and 5, in order
+and with each corruption's images sorted by class (the ``imbalanced`` order, without its
+resets: a change of corruption must still be seen); 500 noisy (sigma 0.1, 0.2), blurred or
+JPEG-20 images then 500 clean ones.
+
+    python studies/class-conditional-detector/study.py --out results/class-conditional-detector
+
+Writes ``detector.md`` and ``detector.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from eva0_edge.bench.testbed.corruptions import CORRUPTIONS, corrupt_images
+from eva0_edge.bench.testbed.fashion_mnist import load_fashion_mnist, train_val_indices
+from eva0_edge.bench.testbed.hostile import hostile_images
+from eva0_edge.runtime import inputwatch
+from eva0_edge.runtime.modelfile import read_metadata
+from eva0_edge.runtime.policy import Policy
+from eva0_edge.runtime.preprocess import preprocess_uint8
+from eva0_edge.runtime.rates import window_factor, windowed_update
+
+MODEL = "models/vit_fmnist.onnx"
+CLASSES = 10
+CLASS_SAMPLES = 64
+MIN_CLASS_SAMPLES = 16
+DOMAIN = 300
+FAULTS = ("gauss-0.1", "gauss-0.2", "blur-1", "jpeg-20")
+
+
+class PerClassDetector:
+    """The window test and the CUSUM of :mod:`eva0_edge.runtime.inputwatch` on descriptors
+    standardised by their predicted class's window (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self.class_factor = window_factor(CLASS_SAMPLES)
+        self.recent_factor = window_factor(inputwatch.RECENT_SAMPLES)
+        self.restart()
+
+    def restart(self) -> None:
+        self.moments = np.zeros((CLASSES, 2 * len(inputwatch.DESCRIPTORS)))
+        self.weights = np.zeros(CLASSES)
+        self.recent, self.recent_weight = np.zeros(len(inputwatch.DESCRIPTORS)), 0.0
+        self.cusum = np.zeros(2 * len(inputwatch.DESCRIPTORS))
+
+    def observe(self, values: np.ndarray, label: int) -> bool:
+        """One image's descriptors [3] and predicted class; whether a change is called."""
+        width = len(values)
+        weight = self.weights[label]
+        changed = False
+        if weight >= 1.0 - self.class_factor**MIN_CLASS_SAMPLES:
+            mean = self.moments[label, :width]
+            variance = np.maximum(self.moments[label, width:] - mean**2, 0.0) + 1e-8
+            residual = (values - mean) / np.sqrt(variance)
+            self.recent, self.recent_weight = windowed_update(
+                self.recent, self.recent_weight, residual[None], self.recent_factor)
+            full = 1.0 - self.recent_factor**inputwatch.RECENT_SAMPLES
+            if self.recent_weight >= full:
+                changed = float((self.recent**2).max()) * inputwatch.RECENT_SAMPLES > \
+                    inputwatch.CHANGE_Z**2
+            step = np.clip(residual, -inputwatch.CUSUM_CLIP, inputwatch.CUSUM_CLIP)
+            self.cusum = np.maximum(self.cusum + np.concatenate([step, -step])
+                                    - inputwatch.CUSUM_K, 0.0)
+            changed |= bool(self.cusum.max() > inputwatch.CUSUM_H)
+        self.moments[label], self.weights[label] = windowed_update(
+            self.moments[label], weight, np.concatenate([values, values**2])[None],
+            self.class_factor)
+        if changed:
+            self.restart()
+        return changed
+
+
+def calls(x: np.ndarray, labels: np.ndarray) -> dict[str, list[int]]:
+    """Each detector's calls on x [N, C, H, W] (the sample index after the calling image)."""
+    today, per_class = inputwatch.InputChangeDetector(), PerClassDetector()
+    values = inputwatch.describe(x)
+    out: dict[str, list[int]] = {"today": [], "per class": []}
+    for i in range(len(x)):
+        if today.observe(x[i:i + 1]):
+            out["today"].append(i + 1)
+        if per_class.observe(values[i], int(labels[i])):
+            out["per class"].append(i + 1)
+    return out
+
+
+def sorted_by_class(labels: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """The indices start..stop-1 ordered by label (stable)."""
+    return start + np.argsort(labels[start:stop], kind="stable")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    images, labels = load_fashion_mnist("train")
+    _, val = train_val_indices(len(images))
+    images, labels = np.asarray(images)[val], np.asarray(labels)[val]
+    pre = read_metadata(MODEL).preprocessing
+    noadapt = Policy.load(MODEL, "noadapt", threads=1)
+
+    def predicted(x: np.ndarray) -> np.ndarray:
+        return np.concatenate([noadapt.predict(x[i:i + 256]).argmax(1)
+                               for i in range(0, len(x), 256)])
+
+    rows = []
+    clean = preprocess_uint8(images, pre)
+    order = np.argsort(labels, kind="stable")
+    for name, x in (("clean 5000", clean), ("clean 5000 sorted by class", clean[order])):
+        found = calls(x, predicted(x))
+        rows.append({"stream": name, **{k: {"calls": len(v)} for k, v in found.items()}})
+    for severity in (1, 3, 5):
+        continual = preprocess_uint8(np.concatenate(
+            [corrupt_images(images[k * DOMAIN:(k + 1) * DOMAIN], c, severity, seed=0,
+                            start_index=k * DOMAIN) for k, c in enumerate(CORRUPTIONS)]), pre)
+        n = len(CORRUPTIONS) * DOMAIN
+        sorted_order = np.concatenate([sorted_by_class(labels[:n], k * DOMAIN, (k + 1) * DOMAIN)
+                                       for k in range(len(CORRUPTIONS))])
+        for kind, x in (("in order", continual), ("sorted by class", continual[sorted_order])):
+            found = calls(x, predicted(x))
+            cells = {}
+            for detector, called in found.items():
+                seen = {c // DOMAIN for c in called if 0 < c % DOMAIN <= 128 and c > DOMAIN}
+                cells[detector] = {"calls": len(called), "changes_seen": len(seen),
+                                   "other_calls": len(called) - len(seen)}
+            rows.append({"stream": f"continual severity {severity}, {kind}", **cells})
+    for fault in FAULTS:
+        x = preprocess_uint8(np.concatenate(
+            [hostile_images(fault, images[:500], labels[:500], seed=0)[0], images[500:1000]]),
+            pre)
+        found = calls(x, predicted(x))
+        cells = {}
+        for detector, called in found.items():
+            after = [c - 500 for c in called if c > 500]
+            cells[detector] = {"calls": len(called), "return_seen_after": after[0] if after
+                               else None, "early_calls": len(called) - len(after)}
+        rows.append({"stream": f"{fault} then clean", **cells})
+    lines = ["| stream | today: calls | today: changes seen / other calls or return seen after "
+             "| per class: calls | per class: changes seen / other calls or return seen after |",
+             "|---|---|---|---|---|"]
+    for row in rows:
+        cells = []
+        for detector in ("today", "per class"):
+            r = row[detector]
+            if "changes_seen" in r:
+                detail = f"{r['changes_seen']} / {r['other_calls']}"
+            elif "return_seen_after" in r:
+                detail = "-" if r["return_seen_after"] is None else \
+                    f"{r['return_seen_after']} ({r['early_calls']} early)"
+            else:
+                detail = ""
+            cells += [str(r["calls"]), detail]
+        lines.append(f"| {row['stream']} | " + " | ".join(cells) + " |")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "detector.md").write_text("\n".join(lines) + "\n")
+    (args.out / "detector.json").write_text(json.dumps(rows, indent=1) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
