@@ -8,6 +8,11 @@ whole batch, ``serve_step`` the asynchronous answer, ``learn`` a block's learnin
 
     python studies/serve-tail/tail.py --out results/serve-tail --rounds 3
 
+``--clients N`` loads the servers with N concurrent requests instead of one, and ``--warmup W``
+sends W untimed requests per client first (a budgeted server's bucket starts full: at budget
+1.5 the first 1400 or so images spend and refill it), whose worker calls are left out; the
+``busy`` column is the worker's timed calls' seconds over the load's wall time.
+
 ``--code NAME=PATH`` (repeatable) serves the asynchronous servers from each named source tree
 too (``PATH`` a folder holding an ``eva0_edge`` package, put first on ``PYTHONPATH``; NoAdapt
 from the installed one), interleaved with the rest; ``--servers`` picks the servers by label.
@@ -36,25 +41,39 @@ SERVERS = (("noadapt", "noadapt", ()),
 PROBE = Path(__file__).resolve().parent / "probe"
 
 
+def _probe_calls(folder: Path) -> dict[str, list[float]]:
+    """The probe's last write: every timed call's seconds, by call."""
+    time.sleep(2.5)  # the probe writes every 2 s
+    (probe,) = folder.glob("*.json")
+    return json.loads(probe.read_text())
+
+
 def one_run(label: str, method: str, extra: tuple[str, ...], code: str, data: Path,
-            requests: int, folder: Path) -> dict:
+            requests: int, folder: Path, clients: int, warmup: int,
+            images: np.ndarray) -> dict:
     """perf_analyzer's measurement of one server (its package from ``code``, a folder, or the
-    installed one when empty), and its worker's call times (ms)."""
+    installed one when empty) at ``clients`` concurrency after ``warmup`` untimed requests per
+    client, and its worker's call times (ms) during the measurement."""
     folder.mkdir(parents=True, exist_ok=True)
     os.environ["EVA0_PROBE_OUT"] = str(folder)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (code, str(PROBE)) if p)
     server = serve_load.ServeProcess(MODEL, method, 1, 10.0, "adaptive", 0, extra)
     try:
+        if warmup:
+            serve_load._load(server.url, Path(MODEL).stem, images, 1, clients, warmup)
+        before = {name: len(s) for name, s in _probe_calls(folder).items()} if warmup else {}
+        start = time.perf_counter()
         row = serve_load._perf_analyzer_measures(serve_load.PERF_ANALYZER, server.url,
-                                                 Path(MODEL).stem, data, 1, 1, requests)
-        time.sleep(2.5)  # the probe's last write
+                                                 Path(MODEL).stem, data, 1, clients, requests)
+        wall = time.perf_counter() - start
+        timed = {name: s[before.get(name, 0):] for name, s in _probe_calls(folder).items()}
     finally:
         server.stop()
-    (probe,) = folder.glob("*.json")
     calls = {name: {"calls": len(s), "mean_ms": 1e3 * float(np.mean(s)),
                     "p99_ms": 1e3 * float(np.percentile(s, 99)), "total_s": float(np.sum(s))}
-             for name, s in json.loads(probe.read_text()).items() if s}
-    return {"server": label, **row, "load": os.getloadavg()[0], "calls": calls}
+             for name, s in timed.items() if s}
+    busy = sum(c["total_s"] for c in calls.values()) / wall
+    return {"server": label, **row, "load": os.getloadavg()[0], "busy": busy, "calls": calls}
 
 
 def main() -> None:
@@ -64,6 +83,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--code", action="append", default=[], help="NAME=PATH, repeatable")
     parser.add_argument("--servers", default=",".join(label for label, _, _ in SERVERS))
+    parser.add_argument("--clients", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=0, help="untimed requests per client")
     args = parser.parse_args()
     codes = [tuple(c.split("=", 1)) for c in args.code] or [("", "")]
     chosen = args.servers.split(",")
@@ -76,12 +97,12 @@ def main() -> None:
     report = {"environment_start": environment(), "rows": []}
     for round_, server in serve_load.round_order(sweep, args.rounds):
         folder = args.out / "probes" / f"{server[0].replace('/', '-')}-{round_}"
-        row = one_run(*server, data, args.requests, folder)
+        row = one_run(*server, data, args.requests, folder, args.clients, args.warmup, images)
         report["rows"].append({"round": round_, **row})
         print(json.dumps(report["rows"][-1]), flush=True)
     report["environment_end"] = environment()
-    lines = ["| round | server | images/s | x NoAdapt | p50 ms | p99 ms | worker call: mean ms "
-             "(calls) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| round | server | images/s | x NoAdapt | p50 ms | p99 ms | busy | worker call: "
+             "mean ms (calls) |", "|---|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
         base = next(r for r in report["rows"]
                     if r["round"] == row["round"] and r["server"] == "noadapt")
@@ -89,7 +110,7 @@ def main() -> None:
                           for n, c in row["calls"].items() if n != "learn" or c["total_s"] > 0.05)
         lines.append(f"| {row['round']} | {row['server']} | {row['images_per_s']:.0f} | "
                      f"{row['images_per_s'] / base['images_per_s']:.2f} | {row['p50_ms']:.2f} | "
-                     f"{row['p99_ms']:.2f} | {calls} |")
+                     f"{row['p99_ms']:.2f} | {row['busy']:.2f} | {calls} |")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tail.md").write_text("\n".join(lines) + "\n")
     (args.out / "tail.json").write_text(json.dumps(report, indent=1) + "\n")
