@@ -47,14 +47,15 @@ def test_the_headline_table_is_the_committed_demo_run(where):
 
 def test_the_budget_and_layer_tables_are_the_committed_runs():
     """``make budget``'s, ``make layers``' and ``make hostile``'s tables, as their summaries
-    wrote them to results/{budget,layers,layers/vit-300,foa-budget,soak-budget,hostile}/ (and
-    the domain-bank soak's, results/domain-bank/soak.md),
+    wrote them to results/{budget,layers,layers/vit-300,foa-budget,soak-budget,hostile,
+    pareto/seeds}/ (and the domain-bank soak's, results/domain-bank/soak.md),
     appear verbatim on the results pages, which name the run."""
     for run, name, where in (("budget", "budget", "budget"), ("layers", "layers", "layers"),
                              ("layers/vit-300", "layers", "layers"),
                              ("foa-budget", "budget", "budget"),
                              ("soak-budget", "budget", "budget"),
                              ("hostile", "hostile", "hostile"),
+                             ("pareto/seeds", "seeds", "budget"),
                              ("domain-bank", "soak", "bank")):
         text = page(where)
         table = (ROOT / "results" / run / f"{name}.md").read_text().strip()
