@@ -10,10 +10,10 @@ Two detectors, one image at a time (batch 1), on the ViT's preprocessing:
 
 * ``today``: :class:`eva0_edge.runtime.inputwatch.InputChangeDetector` as it ships (the window
   test and the CUSUM on the three descriptors);
-* ``per class``: the same two tests on each image's descriptors standardised by the windows of
-  its predicted class (theta0's prediction, NoAdapt's: a stand-in for the served one): per class
-  a window of ``CLASS_SAMPLES`` samples' mean and mean square, taken before the image; an image
-  whose class window holds under ``MIN_CLASS_SAMPLES`` samples' weight is only added to it. The
+* ``per class W/M``: the same two tests on each image's descriptors standardised by the windows
+  of its predicted class (theta0's prediction, NoAdapt's: a stand-in for the served one): per
+  class a window of W samples' mean and mean square, taken before the image; an image whose
+  class window holds under M samples' weight is only added to it (``--candidates``). The
   residual's recent window (32) is tested at z 4.5 against 0 with variance 1, and its CUSUM at
   k 0.25, h 24 with deviations clipped to 3, both as ``today``'s; every window restarts at a
   call.
@@ -48,8 +48,7 @@ from eva0_edge.runtime.rates import window_factor, windowed_update
 
 MODEL = "models/vit_fmnist.onnx"
 CLASSES = 10
-CLASS_SAMPLES = 64
-MIN_CLASS_SAMPLES = 16
+CANDIDATES = ((64, 16), (128, 16), (128, 32), (256, 32))
 DOMAIN = 300
 FAULTS = ("gauss-0.1", "gauss-0.2", "blur-1", "jpeg-20")
 
@@ -58,8 +57,9 @@ class PerClassDetector:
     """The window test and the CUSUM of :mod:`eva0_edge.runtime.inputwatch` on descriptors
     standardised by their predicted class's window (see the module's docstring)."""
 
-    def __init__(self) -> None:
-        self.class_factor = window_factor(CLASS_SAMPLES)
+    def __init__(self, class_samples: int, min_class_samples: int) -> None:
+        self.class_factor = window_factor(class_samples)
+        self.min_class_samples = min_class_samples
         self.recent_factor = window_factor(inputwatch.RECENT_SAMPLES)
         self.restart()
 
@@ -74,7 +74,7 @@ class PerClassDetector:
         width = len(values)
         weight = self.weights[label]
         changed = False
-        if weight >= 1.0 - self.class_factor**MIN_CLASS_SAMPLES:
+        if weight >= 1.0 - self.class_factor**self.min_class_samples:
             mean = self.moments[label, :width]
             variance = np.maximum(self.moments[label, width:] - mean**2, 0.0) + 1e-8
             residual = (values - mean) / np.sqrt(variance)
@@ -96,16 +96,24 @@ class PerClassDetector:
         return changed
 
 
-def calls(x: np.ndarray, labels: np.ndarray) -> dict[str, list[int]]:
+def detector_names(candidates: list[tuple[int, int]]) -> list[str]:
+    return ["today", *(f"per class {w}/{m}" for w, m in candidates)]
+
+
+def calls(x: np.ndarray, labels: np.ndarray,
+          candidates: list[tuple[int, int]]) -> dict[str, list[int]]:
     """Each detector's calls on x [N, C, H, W] (the sample index after the calling image)."""
-    today, per_class = inputwatch.InputChangeDetector(), PerClassDetector()
+    today = inputwatch.InputChangeDetector()
+    per_class = [PerClassDetector(w, m) for w, m in candidates]
     values = inputwatch.describe(x)
-    out: dict[str, list[int]] = {"today": [], "per class": []}
+    names = detector_names(candidates)
+    out: dict[str, list[int]] = {name: [] for name in names}
     for i in range(len(x)):
         if today.observe(x[i:i + 1]):
             out["today"].append(i + 1)
-        if per_class.observe(values[i], int(labels[i])):
-            out["per class"].append(i + 1)
+        for name, detector in zip(names[1:], per_class, strict=True):
+            if detector.observe(values[i], int(labels[i])):
+                out[name].append(i + 1)
     return out
 
 
@@ -117,7 +125,10 @@ def sorted_by_class(labels: np.ndarray, start: int, stop: int) -> np.ndarray:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--candidates", default=",".join(f"{w}/{m}" for w, m in CANDIDATES),
+                        help="per-class window / warm-up pairs, comma-separated")
     args = parser.parse_args()
+    candidates = [tuple(int(v) for v in c.split("/")) for c in args.candidates.split(",")]
     images, labels = load_fashion_mnist("train")
     _, val = train_val_indices(len(images))
     images, labels = np.asarray(images)[val], np.asarray(labels)[val]
@@ -132,7 +143,7 @@ def main() -> None:
     clean = preprocess_uint8(images, pre)
     order = np.argsort(labels, kind="stable")
     for name, x in (("clean 5000", clean), ("clean 5000 sorted by class", clean[order])):
-        found = calls(x, predicted(x))
+        found = calls(x, predicted(x), candidates)
         rows.append({"stream": name, **{k: {"calls": len(v)} for k, v in found.items()}})
     for severity in (1, 3, 5):
         continual = preprocess_uint8(np.concatenate(
@@ -142,7 +153,7 @@ def main() -> None:
         sorted_order = np.concatenate([sorted_by_class(labels[:n], k * DOMAIN, (k + 1) * DOMAIN)
                                        for k in range(len(CORRUPTIONS))])
         for kind, x in (("in order", continual), ("sorted by class", continual[sorted_order])):
-            found = calls(x, predicted(x))
+            found = calls(x, predicted(x), candidates)
             cells = {}
             for detector, called in found.items():
                 seen = {c // DOMAIN for c in called if 0 < c % DOMAIN <= 128 and c > DOMAIN}
@@ -153,28 +164,26 @@ def main() -> None:
         x = preprocess_uint8(np.concatenate(
             [hostile_images(fault, images[:500], labels[:500], seed=0)[0], images[500:1000]]),
             pre)
-        found = calls(x, predicted(x))
+        found = calls(x, predicted(x), candidates)
         cells = {}
         for detector, called in found.items():
             after = [c - 500 for c in called if c > 500]
             cells[detector] = {"calls": len(called), "return_seen_after": after[0] if after
                                else None, "early_calls": len(called) - len(after)}
         rows.append({"stream": f"{fault} then clean", **cells})
-    lines = ["| stream | today: calls | today: changes seen / other calls or return seen after "
-             "| per class: calls | per class: changes seen / other calls or return seen after |",
-             "|---|---|---|---|---|"]
+    names = detector_names(candidates)
+    lines = ["| stream | " + " | ".join(names) + " |", "|---" * (1 + len(names)) + "|"]
     for row in rows:
         cells = []
-        for detector in ("today", "per class"):
-            r = row[detector]
+        for name in names:
+            r = row[name]
             if "changes_seen" in r:
-                detail = f"{r['changes_seen']} / {r['other_calls']}"
+                cells.append(f"{r['changes_seen']} seen / {r['other_calls']} other")
             elif "return_seen_after" in r:
-                detail = "-" if r["return_seen_after"] is None else \
-                    f"{r['return_seen_after']} ({r['early_calls']} early)"
+                seen = "-" if r["return_seen_after"] is None else r["return_seen_after"]
+                cells.append(f"{seen} ({r['calls']} calls)")
             else:
-                detail = ""
-            cells += [str(r["calls"]), detail]
+                cells.append(f"{r['calls']} calls")
         lines.append(f"| {row['stream']} | " + " | ".join(cells) + " |")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "detector.md").write_text("\n".join(lines) + "\n")
