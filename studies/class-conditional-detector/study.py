@@ -25,14 +25,21 @@ resets: a change of corruption must still be seen); 500 noisy (sigma 0.1, 0.2), 
 JPEG-20 images then 500 clean ones.
 
     python studies/class-conditional-detector/study.py --out results/class-conditional-detector
+    python studies/class-conditional-detector/study.py --accuracy \
+        --out results/class-conditional-detector
 
-Writes ``detector.md`` and ``detector.json``.
+Writes ``detector.md`` and ``detector.json``. With ``--accuracy`` instead: the most a detector
+that never calls a change at a label run could gain there, as the product's ``eval`` on the
+validation split's ``imbalanced`` protocol (severity 1 and 3, 300 images per corruption, batch
+16; NoAdapt, the one-forward tier and EVA-0) with the input change detector as it ships and
+with its calls off (z and h infinite): ``accuracy.md`` (each run's report under ``runs/``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +52,9 @@ from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.preprocess import preprocess_uint8
 from eva0_edge.runtime.rates import window_factor, windowed_update
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "change-threshold"))
+from threshold import run_eval  # noqa: E402 - the sibling study's helper
 
 MODEL = "models/vit_fmnist.onnx"
 CLASSES = 10
@@ -122,12 +132,42 @@ def sorted_by_class(labels: np.ndarray, start: int, stop: int) -> np.ndarray:
     return start + np.argsort(labels[start:stop], kind="stable")
 
 
+OFF = ("import eva0_edge.runtime.inputwatch as w; w.CHANGE_Z = float('inf'); "
+       "w.CUSUM_H = float('inf')")
+ACCURACY_MODELS = ("mobilenet_bn_fmnist", "vit_fmnist")
+
+
+def accuracy(out: Path) -> None:
+    """``eval`` on the imbalanced validation protocol with the detector's calls on and off."""
+    args = ["--protocol", "imbalanced", "--severity", "1,3", "--limit", "300",
+            "--batch-sizes", "16", "--methods", "noadapt,noadapt-shift,eva0"]
+    lines = ["| model | sev | NoAdapt | tier | EVA-0, detector as shipped | EVA-0, no calls |",
+             "|---|---|---|---|---|---|"]
+    for model in ACCURACY_MODELS:
+        on = run_eval(out / "runs" / f"{model}-on", model, "pass", args)
+        off = run_eval(out / "runs" / f"{model}-off", model, OFF, args)
+        for severity in ("1", "3"):
+            read = {(name, method): float(results[f"{method} S={severity}"]["average"])
+                    for name, results in (("on", on), ("off", off))
+                    for method in ("noadapt", "noadapt-shift", "eva0")}
+            lines.append(f"| {model} | {severity} | {read['on', 'noadapt']:.2f} | "
+                         f"{read['on', 'noadapt-shift']:.2f} | {read['on', 'eva0']:.2f} | "
+                         f"{read['off', 'eva0']:.2f} |")
+    (out / "accuracy.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--candidates", default=",".join(f"{w}/{m}" for w, m in CANDIDATES),
                         help="per-class window / warm-up pairs, comma-separated")
+    parser.add_argument("--accuracy", action="store_true")
     args = parser.parse_args()
+    if args.accuracy:
+        args.out.mkdir(parents=True, exist_ok=True)
+        accuracy(args.out)
+        return
     candidates = [tuple(int(v) for v in c.split("/")) for c in args.candidates.split(",")]
     images, labels = load_fashion_mnist("train")
     _, val = train_val_indices(len(images))
