@@ -28,8 +28,12 @@ M [K, D] (``head_input_class_means``, written by ``eva0-edge calibrate``; classe
 predicts them on the clean images) and ``prior_window`` is set, the gap is taken at the
 window's own class mix: ``gap = m_source - m_test + rho (q - pi) @ M`` with q [K] the window's
 predicted class mix (argmax of the unshifted logits), pi [K] the stream's over the last
-``prior_window`` samples (starting balanced) and rho in [0, 1] how far the 32-sample window's
-class mix is from pi beyond its sampling noise (James-Stein's positive part,
+``prior_window`` samples (starting balanced; a batch after which the recent window is
+:meth:`~ActivationShift.degenerate`, black frames or one image repeated, does not count: its
+one predicted class says nothing of the stream's mix, and 500 black frames taught the
+ResNet-GN's pi their class, which tilted the clean images after them) and rho in [0, 1] how
+far the 32-sample window's class mix is from pi beyond its sampling noise (James-Stein's
+positive part,
 :meth:`ActivationShift.label_persistence`): an i.i.d. stream, whatever its mix, is shifted as
 before (rho near 0, so a corruption that tips the predictions toward a few classes is still
 corrected), a run of one class by the covariate offset alone. Numbers:
@@ -236,8 +240,9 @@ class ActivationShift:
     def observe(self, state: AdaptState, features: np.ndarray) -> None:
         """Add the head inputs of ``features`` [B, F] (stream order) to both windows (and, when
         the shift corrects for label shift, their predicted classes, the argmax of the unshifted
-        logits, to the class mixes); empty the long one on a change of stream, and both when
-        the gap to the source is beyond ``max_distance``."""
+        logits, to the class mixes, and to pi unless the recent window is then
+        :meth:`degenerate`); empty the long one on a change of stream, and both when the gap to
+        the source is beyond ``max_distance``."""
         h = self.head.head_input(features)
         squares = (h**2).sum(axis=1, keepdims=True)
         st, width = state, self.head.width
@@ -255,7 +260,6 @@ class ActivationShift:
                 st.shift_classes = np.full(classes, 1.0 / classes)
             if st.shift_prior.size != classes:  # a fresh stream: its classes balanced
                 st.shift_prior = np.full(classes, 1.0 / classes)
-            st.shift_prior = windowed_update(st.shift_prior, 1.0, predicted, self.prior_factor)[0]
             long, st.shift_weight = windowed_update(
                 np.concatenate([st.shift_mean, [st.shift_sq], st.shift_classes]),
                 st.shift_weight, np.concatenate([moments, predicted], axis=1), self.factor)
@@ -275,6 +279,8 @@ class ActivationShift:
                 self.recent_factor)
         st.shift_mean, st.shift_sq = long[:-1], float(long[-1])
         st.shift_recent, st.shift_recent_sq = recent[:-1], float(recent[-1])
+        if classes and not self.degenerate(st):
+            st.shift_prior = windowed_update(st.shift_prior, 1.0, predicted, self.prior_factor)[0]
         if self._changed(st):
             self.changes += 1
             st.shift_weight = 0.0

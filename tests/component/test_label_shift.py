@@ -64,6 +64,27 @@ def test_a_run_of_one_class_keeps_its_class_and_is_shifted_by_the_offset_alone()
     assert error < 0.4 * np.linalg.norm(plain.gap(plain_state) + OFFSET)
 
 
+def test_frames_of_one_repeated_image_do_not_teach_the_stream_mix() -> None:
+    """A stuck camera (one image, 500 times) after a balanced stream: pi learns the image's
+    class only until the recent window shows no spread (about 40 samples), where counting every
+    frame would give that class two thirds of pi; a class run with spread is still learnt."""
+    shift, state = _shift(corrected=True), _state()
+    balanced = np.tile(np.arange(CLASSES), 103)[:1024]
+    h = _samples(balanced, seed=5)
+    for i in range(0, h.shape[0], 16):
+        shift.observe(state, h[i:i + 16])
+    before = state.shift_prior[3]
+    stuck = MEANS[3] + OFFSET
+    for _ in range(500):
+        shift.observe(state, stuck[None])
+    assert shift.degenerate(state)
+    assert before < 0.12 and state.shift_prior[3] < 0.25
+    run = _samples(np.full(500, 3), seed=6)  # the same class, varied images: a label run
+    for i in range(0, run.shape[0], 16):
+        shift.observe(state, run[i:i + 16])
+    assert not shift.degenerate(state) and state.shift_prior[3] > 0.5
+
+
 def test_an_iid_stream_with_an_uneven_mix_is_shifted_as_without_the_correction() -> None:
     mix = np.full(CLASSES, 0.6 / (CLASSES - 1))
     mix[0] = 0.4
