@@ -20,7 +20,6 @@ Writes ``residual.md`` and ``residual.json`` (``--whole``: ``whole.md`` and ``wh
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from served import FAULTS, MODELS, clean_accuracy
 from eva0_edge.bench.testbed.fashion_mnist import load_fashion_mnist
 from eva0_edge.bench.testbed.hostile import hostile_images
 from eva0_edge.bench.testbed.machine import environment
+from eva0_edge.bench.testbed.output import write_outputs
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.policy import Policy
 from eva0_edge.runtime.preprocess import preprocess_uint8
@@ -70,9 +70,7 @@ def whole(out: Path) -> None:
         lines.append(f"| {model} | {len(x)} | {base:.2f} | {eva:.2f} | {eva - base:+.2f} | "
                      f"{lost} / {won} |")
         print(lines[-1], flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "whole.md").write_text("\n".join(lines) + "\n")
-    (out / "whole.json").write_text(json.dumps(rows, indent=1) + "\n")
+    write_outputs(out, "whole", {"rows": rows}, "\n".join(lines) + "\n")
 
 
 def main() -> None:
@@ -121,9 +119,7 @@ def main() -> None:
                          f"{eva - base:+.1f} |")
             print(lines[-1], flush=True)
     report["environment_end"] = environment()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "residual.md").write_text("\n".join(lines) + "\n")
-    (args.out / "residual.json").write_text(json.dumps(report, indent=1) + "\n")
+    write_outputs(args.out, "residual", report, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

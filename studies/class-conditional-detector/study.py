@@ -38,7 +38,6 @@ with its calls off (z and h infinite): ``accuracy.md`` (each run's report under 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -47,6 +46,7 @@ import numpy as np
 from eva0_edge.bench.testbed.corruptions import CORRUPTIONS, corrupt_images
 from eva0_edge.bench.testbed.fashion_mnist import load_fashion_mnist, train_val_indices
 from eva0_edge.bench.testbed.hostile import hostile_images
+from eva0_edge.bench.testbed.output import write_outputs
 from eva0_edge.runtime import inputwatch
 from eva0_edge.runtime.modelfile import read_metadata
 from eva0_edge.runtime.policy import Policy
@@ -143,6 +143,7 @@ def accuracy(out: Path) -> None:
             "--batch-sizes", "16", "--methods", "noadapt,noadapt-shift,eva0"]
     lines = ["| model | sev | NoAdapt | tier | EVA-0, detector as shipped | EVA-0, no calls |",
              "|---|---|---|---|---|---|"]
+    rows = []
     for model in ACCURACY_MODELS:
         on = run_eval(out / "runs" / f"{model}-on", model, "pass", args)
         off = run_eval(out / "runs" / f"{model}-off", model, OFF, args)
@@ -150,10 +151,12 @@ def accuracy(out: Path) -> None:
             read = {(name, method): float(results[f"{method} S={severity}"]["average"])
                     for name, results in (("on", on), ("off", off))
                     for method in ("noadapt", "noadapt-shift", "eva0")}
+            rows.append({"model": model, "severity": int(severity),
+                         **{f"{method} ({name})": value for (name, method), value in read.items()}})
             lines.append(f"| {model} | {severity} | {read['on', 'noadapt']:.2f} | "
                          f"{read['on', 'noadapt-shift']:.2f} | {read['on', 'eva0']:.2f} | "
                          f"{read['off', 'eva0']:.2f} |")
-    (out / "accuracy.md").write_text("\n".join(lines) + "\n")
+    write_outputs(out, "accuracy", {"rows": rows}, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -225,9 +228,8 @@ def main() -> None:
             else:
                 cells.append(f"{r['calls']} calls")
         lines.append(f"| {row['stream']} | " + " | ".join(cells) + " |")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "detector.md").write_text("\n".join(lines) + "\n")
-    (args.out / "detector.json").write_text(json.dumps(rows, indent=1) + "\n")
+    write_outputs(args.out, "detector", {"candidates": candidates, "rows": rows},
+                  "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
