@@ -21,11 +21,15 @@ import argparse
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
 
 from targets import TOLERANCE_15, cells
 
 from eva0_edge.bench.testbed.output import write_outputs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "budget-seeds"))
+from budget_seeds import _named  # noqa: E402 - the sibling study's NAME=PATH reading
 
 METHODS = ("noadapt-shift", "eva0", "eva0 budget 1.5", "eva0 budget 1.25")
 
@@ -88,9 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     summaries, paths = {}, []
     for argument in args.summaries:
-        name, sep, given = argument.partition("=")
-        path = Path(given if sep and "/" not in name else argument)
-        name = name if sep and "/" not in name else path.parent.name
+        name, path = _named(argument)
         paths.append(path)
         if name in summaries:
             parser.error(f"two summaries named {name!r}: {path}")
