@@ -97,12 +97,12 @@ class AdaptationPass:
         return int(self.served.x.shape[0])
 
     def run(self) -> GradientEstimate:
-        """The pass's ORT call over its #FP x B perturbed rows and the estimate from it
-        (:meth:`Engine.estimate_served`). It writes no Python state but the forward counter
-        (locked), so it may run on another thread while that one serves (when
+        """The pass's ORT call over its #FP x B perturbed rows (:meth:`Engine.run_served`) and
+        the estimate from it (:meth:`Engine.estimate_served`). It writes no Python state but
+        the forward counter (locked), so it may run on another thread while that one serves (when
         ``session.concurrent_calls``): the serving thread then waits neither for the call nor
         for the losses and the gradient, only for :meth:`finish`."""
-        outputs = self._model.estimator.run(self.served.x, self.served.prepared)
+        outputs = self._model.run_served(self.served)
         return self._model.estimate_served(self.served, outputs)
 
     def finish(self, est: GradientEstimate) -> bool:
@@ -278,6 +278,8 @@ class Policy:
             raise ValueError(f"asynchronous adaptation runs the method's step apart from "
                              f"serving; {self.method} adapts only in its own step")
         self.asynchronous = bool(asynchronous)
+        if self.asynchronous and self.session.concurrent_calls:  # passes on their own thread
+            self._engine().run_passes_apart()
         self._sync_state()
         self._install(self.state)
 

@@ -22,8 +22,10 @@ dropped from adaptation). Once ``max_batch`` rows are waiting, the queue is empt
 is running, the worker begins a pass on them (:meth:`~..policy.Policy.begin_pass`,
 within the compute budget: the perturbed rows). Its ORT call (the 2 x #rows forwards; the GIL
 released) and the estimate from it (the losses and the gradient) run on a second thread that
-Linux schedules only on CPU nothing else wants (SCHED_IDLE; nice 19 where that is refused)
-while the worker goes on serving; the worker applies the update when they are done
+Linux schedules only on CPU nothing else wants (SCHED_IDLE; nice 19 where that is refused),
+the call on a single-threaded session so that none of it runs on the serving session's
+intra-op threads (:meth:`~..session.AdaptableSession.single_threaded`), while the worker goes
+on serving; the worker applies the update when they are done
 (:meth:`~..policy.AdaptationPass.finish`, dropped if a roll-back, reset or installed
 state came in between). So serving never waits for a pass, and a busy CPU starves passes, not
 answers. (On a session whose ORT calls share one IOBinding, the CUDA default, the call runs on

@@ -11,7 +11,8 @@ whole batch, ``serve_step`` the asynchronous answer, ``learn`` a block's learnin
 ``--clients N`` loads the servers with N concurrent requests instead of one, and ``--warmup W``
 sends W untimed requests per client first (a budgeted server's bucket starts full: at budget
 1.5 the first 1400 or so images spend and refill it), whose worker calls are left out; the
-``busy`` column is the worker's timed calls' seconds over the load's wall time.
+``busy`` column is the worker's timed calls' seconds over the load's wall time. ``--threads
+T`` serves with T ORT intra-op threads (default 1; 0: ORT's default, one per core).
 
 ``--code NAME=PATH`` (repeatable) serves the asynchronous servers from each named source tree
 too (``PATH`` a folder holding an ``eva0_edge`` package, put first on ``PYTHONPATH``; NoAdapt
@@ -50,14 +51,15 @@ def _probe_calls(folder: Path) -> dict[str, list[float]]:
 
 def one_run(label: str, method: str, extra: tuple[str, ...], code: str, data: Path,
             requests: int, folder: Path, clients: int, warmup: int,
-            images: np.ndarray) -> dict:
+            images: np.ndarray, threads: int) -> dict:
     """perf_analyzer's measurement of one server (its package from ``code``, a folder, or the
     installed one when empty) at ``clients`` concurrency after ``warmup`` untimed requests per
-    client, and its worker's call times (ms) during the measurement."""
+    client, and its worker's call times (ms) during the measurement; ``threads``: the server's
+    ORT intra-op threads (0: ORT's default)."""
     folder.mkdir(parents=True, exist_ok=True)
     os.environ["EVA0_PROBE_OUT"] = str(folder)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (code, str(PROBE)) if p)
-    server = serve_load.ServeProcess(MODEL, method, 1, 10.0, "adaptive", 0, extra)
+    server = serve_load.ServeProcess(MODEL, method, threads or None, 10.0, "adaptive", 0, extra)
     try:
         if warmup:
             serve_load._load(server.url, Path(MODEL).stem, images, 1, clients, warmup)
@@ -85,6 +87,7 @@ def main() -> None:
     parser.add_argument("--servers", default=",".join(label for label, _, _ in SERVERS))
     parser.add_argument("--clients", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=0, help="untimed requests per client")
+    parser.add_argument("--threads", type=int, default=1, help="ORT intra-op threads, 0: default")
     args = parser.parse_args()
     codes = [tuple(c.split("=", 1)) for c in args.code] or [("", "")]
     chosen = args.servers.split(",")
@@ -97,7 +100,8 @@ def main() -> None:
     report = {"environment_start": environment(), "rows": []}
     for round_, server in serve_load.round_order(sweep, args.rounds):
         folder = args.out / "probes" / f"{server[0].replace('/', '-')}-{round_}"
-        row = one_run(*server, data, args.requests, folder, args.clients, args.warmup, images)
+        row = one_run(*server, data, args.requests, folder, args.clients, args.warmup, images,
+                      args.threads)
         report["rows"].append({"round": round_, **row})
         print(json.dumps(report["rows"][-1]), flush=True)
     report["environment_end"] = environment()

@@ -13,6 +13,7 @@ import pytest
 from eva0_edge.runtime.engine import Engine
 from eva0_edge.runtime.policy import LEARN_BLOCK, AdaptationPass, Policy
 from eva0_edge.runtime.server.worker import AdaptationWorker
+from eva0_edge.runtime.session import AdaptableSession
 from tests.fixtures import SHIPPED_VIT
 
 MODEL = SHIPPED_VIT
@@ -212,6 +213,39 @@ def test_a_pass_estimate_is_computed_on_the_pass_thread(started, monkeypatch):
     assert seen[0] != worker._thread.ident and worker.counts()["adapted_samples"] == 0
     release.set()
     wait_for(lambda: worker.counts()["adapted_samples"] >= 4)
+
+
+
+def test_a_pass_runs_single_threaded_on_its_thread(started, monkeypatch):
+    """On a multi-threaded session the pass's ORT call runs on the pass thread on a
+    single-threaded session (none of it on the serving session's intra-op threads, which run
+    at normal priority), counted by the same forward counter, while the answers keep the
+    serving session's threads; its update is the one a single-threaded server's pass makes,
+    bit for bit."""
+    calls = []
+    run = AdaptableSession.run
+
+    def recorded_run(session, x, theta):
+        calls.append((threading.get_ident(), session.threads, theta.shape[0]))
+        return run(session, x, theta)
+
+    monkeypatch.setattr(AdaptableSession, "run", recorded_run)
+    thetas = []
+    for threads in (2, 1):
+        calls.clear()
+        model = Policy.load(MODEL, "eva0", NO_SHIFT, provider="cpu", threads=threads)
+        worker = started(model, max_batch=4)
+        worker.submit(images(4, 0)).result(30)
+        wait_for(lambda w=worker: w.counts()["adapted_samples"] == 4)
+        worker_thread = worker._thread.ident
+        (pass_call,) = [c for c in calls if c[2] == model.config.forwards * 4]
+        assert pass_call[0] != worker_thread and pass_call[1] == 1
+        served = [c for c in calls if c[2] == 4]
+        assert served and all(c[0] == worker_thread and c[1] == threads for c in served)
+        assert model.session.counter.forwards == 4 + model.config.forwards * 4
+        thetas.append(worker.call(lambda m: m.state.theta.copy()).result(30))
+    np.testing.assert_array_equal(thetas[0], thetas[1])
+    assert not np.array_equal(thetas[0], model.metadata.theta0)
 
 
 @pytest.mark.parametrize("move", [
