@@ -93,7 +93,9 @@ def test_the_asynchronous_serving_tables_are_the_committed_runs():
     for run, stem in (("async-stream", "async_stream"), ("serve-async", "serve_load"),
                       ("serve-perf-analyzer", "serve_load"),
                       ("serve-steady/one-client", "serve_load"),
-                      ("serve-steady/thirteen-clients", "serve_load")):
+                      ("serve-steady/thirteen-clients", "serve_load"),
+                      ("serve-steady/default-threads/one-client", "serve_load"),
+                      ("serve-steady/default-threads/thirteen-clients", "serve_load")):
         summary = (ROOT / "results" / run / f"{stem}.md").read_text()
         table = "\n".join(line for line in summary.splitlines() if line.startswith("|"))
         assert table in text, f"docs/results/serving.md's {run} table is not " \
