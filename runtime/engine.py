@@ -277,15 +277,17 @@ class Engine:
     def run_passes_apart(self) -> None:
         """Run the passes' ORT calls (:meth:`run_served`) on a single-threaded session
         (:meth:`~.session.AdaptableSession.single_threaded`), so that a pass on another thread
-        runs on that thread alone."""
-        self._pass_session = self.session.single_threaded()
+        runs on that thread alone (opened once)."""
+        if self._pass_session is None:
+            self._pass_session = self.session.single_threaded()
 
     def run_served(self, served: ServedPass) -> tuple[np.ndarray, np.ndarray]:
         """The pass's ORT call over its prepared rows: (logits, features). It writes no
-        state, so it may run on another thread. (The rows are drawn on the thread that begins
-        the pass: drawn on a pass thread of the lowest priority, that holds the GIL the
-        answers wait for, the shipped ResNet-GN's one-client p99 grew from 4.6-5.5 ms to
-        4.8-8.5 ms, ``results/serve-tail/single-threaded-pass``.)"""
+        state, so it may run on another thread. The rows themselves are drawn by
+        :meth:`begin_served`, on the thread that owns the state: drawn on the pass thread,
+        whose lowest priority then holds the GIL the answers wait for, they took the shipped
+        ResNet-GN's one-client p99 from 4.6-5.5 ms to 4.8-8.5 ms
+        (``results/serve-tail/single-threaded-pass``)."""
         if self._pass_session is None:
             return self.estimator.run(served.x, served.prepared)
         return self._pass_session.run(served.x, served.prepared.rows)
