@@ -215,7 +215,6 @@ def test_a_pass_estimate_is_computed_on_the_pass_thread(started, monkeypatch):
     wait_for(lambda: worker.counts()["adapted_samples"] >= 4)
 
 
-
 def test_a_pass_runs_single_threaded_on_its_thread(started, monkeypatch):
     """On a multi-threaded session the pass's ORT call runs on the pass thread on a
     single-threaded session (none of it on the serving session's intra-op threads, which run
