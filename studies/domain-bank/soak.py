@@ -24,9 +24,9 @@ domain's state. The test split is only measured: nothing here is tuned.
 
     python studies/domain-bank/soak.py --out results/domain-bank
 
-Appends to ``soak.jsonl`` (one line per model, severity, batch size and run), prints a line per
-run and writes ``soak.md`` (the table of every run in ``soak.jsonl``; ``--table-only`` writes
-just that).
+Keeps ``soak.jsonl`` (one line per model, severity, batch size and run: a rerun replaces its
+line), prints a line per run and writes ``soak.md`` (the table of every run in ``soak.jsonl``;
+``--table-only`` writes just that).
 """
 
 from __future__ import annotations
@@ -117,6 +117,21 @@ def soak(model: str, method: str, config: dict, domains: list[Domain], batch: in
     }
 
 
+def keep_row(row: dict, path: Path) -> None:
+    """Put ``row`` into the runs at ``path`` (JSON lines), in place of a run with the same model,
+    severity, batch size and label; written whole to a sibling file and renamed over it."""
+    key = ("model", "severity", "batch", "run")
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    index = next((i for i, r in enumerate(rows) if all(r[k] == row[k] for k in key)), None)
+    if index is None:
+        rows.append(row)
+    else:
+        rows[index] = row
+    partial = path.with_suffix(".partial")
+    partial.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    partial.replace(path)
+
+
 def write_table(rows: list[dict], path: Path) -> None:
     """The runs of ``rows`` (soak.jsonl's) as a markdown table at ``path``."""
     noadapt = {(r["model"], r["severity"], r["batch"]): r["returns_mean_gap"]
@@ -173,8 +188,7 @@ def main() -> None:
                            "limit": args.limit, "passes_run": args.passes,
                            **soak(f"models/{name}.onnx", method, config, domains, batch,
                                   args.passes, args.edge, args.seed)}
-                    with out.open("a") as sink:
-                        sink.write(json.dumps(row) + "\n")
+                    keep_row(row, out)
                     print(f"{name:18s} S={severity} B={batch:<3d} {label:16s} "
                           f"passes 2+ {row['passes_2_on']:6.2f} at {row['forwards_2_on']:.3f} "
                           f"fw/s, worst return gap {row['returns_worst_gap']}, "
