@@ -95,13 +95,10 @@ class DomainBank:
         return np.sqrt(z_squared.max(axis=1))
 
     def recall(self, recent_mean: np.ndarray, samples: float, count_miss: bool = True,
-               exclude: int | None = None) -> int | None:
-        """The slot of the nearest memory within the threshold, the slot ``exclude`` left out
-        (touched: the most recently used now), counted as a hit; None, counted as a miss with
-        ``count_miss``."""
+               ) -> int | None:
+        """The slot of the nearest memory within the threshold (touched: the most recently
+        used now), counted as a hit; None, counted as a miss with ``count_miss``."""
         distances = self.distances(recent_mean, samples)
-        if exclude is not None:
-            distances[exclude] = np.inf
         if not distances.size or distances.min() >= self.threshold:
             self.misses += int(count_miss)
             return None

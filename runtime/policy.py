@@ -157,7 +157,6 @@ class Policy:
         self._waiting: list[tuple[np.ndarray, np.ndarray]] = []
         self.bank = self._read_bank()
         self._segment_slot: int | None = None  # the bank slot the current segment came from
-        self._left_slot: int | None = None  # the slot of the segment the last change ended
         self._segment_samples = 0
         self._recall_due = True  # look the segment up once the detector's window is full
         self._known_change = False  # the change of this batch was recalled from the bank
@@ -589,17 +588,13 @@ class Policy:
         """A change of stream: the segment that ends is kept in the bank (when it is at least
         ``MIN_SEGMENT_SAMPLES`` long and the guard neither pauses nor holds: a theta it
         vouches for), in the slot it was recalled from if it was; the new one is looked up
-        from its first images. The segment that ends is not recalled before the next change:
-        the detector has just told the two apart, on more images than a lookup reads (a clean
-        stream after a mild shift fell within the lookup's threshold of the shift's segment)."""
+        from its first images."""
         bank, guard, m = self.bank, self.guard, self._engine()
         assert bank is not None
         rows = self._note_rows()
         vouched = guard is None or (not self._pause_left() and not guard.holding)
-        self._left_slot = self._segment_slot
         if self._segment_samples >= MIN_SEGMENT_SAMPLES and vouched and not m.frozen:
-            self._left_slot = bank.store(m.segment_memory(key, self._segment_samples),
-                                         self._segment_slot)
+            bank.store(m.segment_memory(key, self._segment_samples), self._segment_slot)
         self._segment_slot, self._segment_samples = None, batch
         self._recall_due = True
         if self._may_recall() and self._recall(rows.mean(axis=0), float(len(rows)),
@@ -620,7 +615,7 @@ class Policy:
         the budget spend as on a stream it knows. Returns whether it hit."""
         bank, m, guard = self.bank, self._engine(), self.guard
         assert bank is not None
-        slot = bank.recall(mean, samples, count_miss, exclude=self._left_slot)
+        slot = bank.recall(mean, samples, count_miss)
         if slot is None:
             return False
         m.recall(bank.memories[slot])

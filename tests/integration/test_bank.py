@@ -73,21 +73,6 @@ def test_a_segment_never_seen_is_never_restored(segments):
         assert not np.array_equal(policy.state.healthy_theta, theta)
 
 
-def test_the_segment_a_change_left_is_not_recalled_before_the_next_change(segments):
-    """With a threshold that reaches every memory, the noise segment is not given back the
-    clean one it just left (at its change nor once the detector's window is full); the clean
-    stream after it is."""
-    policy = banked(guard=False, bank_threshold=1e9)
-    stream(policy, segments["clean"][:SEGMENT])
-    stream(policy, segments["noise"][:SEGMENT])
-    bank = policy.bank
-    assert len(bank) == 1 and bank.hits == 0 and bank.misses == 2
-    stored = bank.memories[0].theta.copy()
-    stream(policy, segments["clean"][SEGMENT:SEGMENT + 16])
-    assert bank.hits == 1 and len(bank) == 2
-    np.testing.assert_array_equal(policy.state.healthy_theta, stored)  # guard off: untouched
-
-
 def test_the_bank_is_bounded_and_evicts_the_least_recently_used(segments):
     policy = banked(slots=2, guard=False)
     for key in ("clean", "noise", "contrast", "clean"):
