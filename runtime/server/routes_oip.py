@@ -14,6 +14,7 @@ from eva0_edge import __version__
 
 from ..session import InputError
 from .context import MODEL_VERSION, ServerContext, error_response, log
+from .inference_stats import RequestTimes
 from .protocol import HEADER_LENGTH, ProtocolError, encode_infer_response, parse_infer_request
 from .routes_triton import EXTENSIONS
 from .tensors import OutputPlan, model_input, model_metadata, model_outputs, plan_outputs
@@ -64,7 +65,10 @@ def oip_router(ctx: ServerContext) -> APIRouter:
     async def model_ready() -> Response:
         return Response(status_code=200 if ctx.ready.is_set() else 503)
 
-    def prepare(body: bytes | bytearray, header_length: str | None):
+    def prepare(body: bytes | bytearray, header_length: str | None, times: RequestTimes):
+        """The parsed request, its output plans and its checked input; the time it took in
+        ``times.compute_input``."""
+        start = time.perf_counter()
         request = parse_infer_request(body, header_length)
         plans = plan_outputs(request.outputs, request.binary_output, model.metadata.num_classes)
         x = model_input(request, model.metadata, options.max_batch, ctx.max_pixels)
@@ -72,6 +76,7 @@ def oip_router(ctx: ServerContext) -> APIRouter:
             x = model.session.check_input(x)
         except InputError as err:
             raise ProtocolError(str(err)) from None
+        times.compute_input = time.perf_counter() - start
         return request, plans, x
 
     @router.post("/v2/models/{name}/infer")
@@ -83,6 +88,7 @@ def oip_router(ctx: ServerContext) -> APIRouter:
         status = 200
         rows = 0
         announced = False
+        times = RequestTimes()
         try:
             ctx.check_name(name, version)
             if not ctx.ready.is_set() or not worker.alive:
@@ -91,17 +97,19 @@ def oip_router(ctx: ServerContext) -> APIRouter:
             announced = True
             body = await ctx.read_body(request)
             parsed, plans, x = await run_in_threadpool(
-                prepare, body, request.headers.get(HEADER_LENGTH)
+                prepare, body, request.headers.get(HEADER_LENGTH), times
             )
             rows = x.shape[0]
-            future = worker.submit(x, announced=True)
+            future = worker.submit(x, announced=True, times=times)
             announced = False
             logits = await asyncio.wrap_future(future)
+            encoding = time.perf_counter()
             check_finite_rows(ctx, logits, plans)
             outputs = model_outputs(logits, plans, model.metadata.labels)
             content, headers = encode_infer_response(
                 options.name, MODEL_VERSION, parsed.id, outputs
             )
+            times.compute_output = time.perf_counter() - encoding
             return Response(content, headers=headers)
         except ProtocolError as err:
             status = err.status
@@ -114,7 +122,7 @@ def oip_router(ctx: ServerContext) -> APIRouter:
             if announced:
                 worker.withdraw()
             elapsed = time.perf_counter() - start
-            ctx.inference.record(status == 200, elapsed, rows)
+            ctx.inference.record(status == 200, elapsed, rows, times)
             ctx.metrics.requests.labels(str(status)).inc()
             if status == 200:
                 ctx.metrics.latency.observe(elapsed)

@@ -50,6 +50,7 @@ import numpy as np
 
 from ..estimator import GradientEstimate
 from ..policy import AdaptationPass, Policy
+from .inference_stats import RequestTimes
 from .snapshots import SnapshotStore
 
 log = logging.getLogger("eva0_edge.serve")
@@ -59,6 +60,7 @@ log = logging.getLogger("eva0_edge.serve")
 class _Job:
     x: np.ndarray
     future: Future
+    times: RequestTimes | None = None  # filled with its queue and step times before it is answered
     enqueued: float = field(default_factory=time.monotonic)
 
 
@@ -182,13 +184,15 @@ class AdaptationWorker:
         if last:
             self._queue.put(_WAKE)
 
-    def submit(self, x: np.ndarray, announced: bool = False) -> Future:
-        """Queue a batch already checked by ``model.session.check_input``."""
+    def submit(self, x: np.ndarray, announced: bool = False,
+               times: RequestTimes | None = None) -> Future:
+        """Queue a batch already checked by ``model.session.check_input``; ``times`` gets its
+        ``queue`` and ``compute_infer`` seconds before the future is answered."""
         future: Future = Future()
         if announced:
             with self._announced_lock:
                 self._announced -= 1
-        self._queue.put(_Job(x, future))
+        self._queue.put(_Job(x, future, times))
         return future
 
     def call(self, operation: Callable[[Any], Any]) -> Future:
@@ -298,6 +302,7 @@ class AdaptationWorker:
         if not jobs:
             return
         x = jobs[0].x if len(jobs) == 1 else np.concatenate([job.x for job in jobs])
+        began = time.monotonic()
         start = time.perf_counter()
         try:
             if self._adaptive is not None:
@@ -313,6 +318,8 @@ class AdaptationWorker:
         offset = 0
         for job in jobs:
             n = job.x.shape[0]
+            if job.times is not None:
+                job.times.queue, job.times.compute_infer = began - job.enqueued, seconds
             job.future.set_result(logits[offset : offset + n])
             offset += n
         if self._adaptive is not None:

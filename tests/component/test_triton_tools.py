@@ -1,7 +1,8 @@
 """What Triton's own clients ask before their first request, answered through tritonclient: the
 model configuration, the repository index and inference statistics (their counts equal the
-requests made), metadata whose inputs can all be sent together, and the protocol's
-``{"error": ...}`` body on every route, unrouted paths and methods included (issue 50 item 4)."""
+requests made, and they say where their time went), metadata whose inputs can all be sent
+together, and the protocol's ``{"error": ...}`` body on every route, unrouted paths and methods
+included (issue 50 item 4)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,26 @@ def test_statistics_count_the_requests_answered(server):
     assert (after[0] - before[0], after[1] - before[1], after[2] - before[2]) == (3, 8, 1)
     every = server.client.get_inference_statistics()["model_stats"]
     assert [s["name"] for s in every] == [NAME]
+
+
+def test_statistics_say_where_each_request_spent_its_time(server):
+    """Every successful request counts once in the queue and compute parts (perf_analyzer finds
+    the model's version by the queue count that grew), each part's time is spent, and the
+    parts, disjoint spans of each request, add up to no more than the requests' own time."""
+    parts = ("compute_input", "queue", "compute_infer", "compute_output")
+
+    def read() -> dict:
+        return server.client.get_inference_statistics(NAME)["model_stats"][0]["inference_stats"]
+
+    before = read()
+    for size in (1, 2, 4):
+        server.client.infer(NAME, _request(uniform_batch(size)))
+    after = read()
+    grown = {key: {unit: after[key][unit] - before[key][unit] for unit in ("count", "ns")}
+             for key in ("success", *parts)}
+    assert [grown[part]["count"] for part in parts] == [3, 3, 3, 3]
+    assert all(grown[part]["ns"] > 0 for part in parts), grown
+    assert sum(grown[part]["ns"] for part in parts) <= grown["success"]["ns"], grown
 
 
 @pytest.mark.parametrize("method, path, status", [

@@ -35,7 +35,7 @@ def test_perf_analyzer_runs_unmodified_and_the_server_counts_what_it_sent(tmp_pa
     server = ServerProcess(tmp_path / "server.log", "--max-delay-ms", "5")
     try:
         run = subprocess.run(
-            [str(TOOL), "-m", NAME, "-x", "1", "-u", server.url, "-i", "http",
+            [str(TOOL), "-m", NAME, "-u", server.url, "-i", "http",
              "--concurrency-range", "1:4:3", "-p", "1500", "--max-trials", "4", "-s", "50",
              "--input-data", str(data), "-f", str(tmp_path / "out.csv")],
             capture_output=True, text=True, timeout=300)
