@@ -59,7 +59,7 @@ from .session import AdaptableSession
 from .shift import ActivationShift
 from .state import (
     AdaptState,
-    StateError,
+    StateMismatch,
     decode_state,
     encode_state,
     read_state_file,
@@ -78,6 +78,22 @@ LEARN_BLOCK = 8
 # The domain bank looks a new segment up at the change itself from the last CHANGE_ROWS images
 # (the batch's, when it holds as many), then from the detector's recent window once full
 CHANGE_ROWS = 8
+
+
+def _use_in_words(info: dict) -> str:
+    """``"eva0 (synchronous, budget 1.5)"``: a state's or a server's use (:meth:`Policy._use`),
+    as much of it as ``info`` records."""
+    details = []
+    if isinstance(info.get("asynchronous"), bool):
+        details.append("asynchronous" if info["asynchronous"] else "synchronous")
+    if "budget" in info:
+        budget = info["budget"]
+        details.append("no budget" if budget is None else f"budget {budget:g}"
+                       if isinstance(budget, (int, float)) else f"budget {budget!r:.20}")
+    method = info.get("method")
+    name = method if isinstance(method, str) else "a method it does not name" \
+        if method is None else f"{method!r:.40}"
+    return name + (f" ({', '.join(details)})" if details else "")
 
 
 class AdaptationPass:
@@ -328,8 +344,15 @@ class Policy:
     def state_bytes(self) -> bytes:
         """The state as checksummed npz bytes (see :mod:`.state`)."""
         self._sync_state()
-        return encode_state(self.state, self.fingerprint,
-                            {"method": self.method, "model": self.metadata.architecture})
+        return encode_state(self.state, self.fingerprint, self._use())
+
+    def _use(self) -> dict[str, Any]:
+        """What decides how this policy uses a state, as a state's ``info`` records it: the
+        method, the model's architecture, whether it adapts apart from serving
+        (``asynchronous``) and its ``budget`` (forwards per sample; None: every batch)."""
+        return {"method": self.method, "model": self.metadata.architecture,
+                "asynchronous": self.asynchronous,
+                "budget": getattr(self.model.config, "budget", None)}
 
     def parse_state_bytes(self, data: bytes) -> AdaptState:
         """Decode and validate state bytes for this model (sizes from the archive headers
@@ -338,18 +361,32 @@ class Policy:
         m = self._engine()
         state, info = decode_state(data, m.fingerprint, self.state_sizes(),
                                    self.metadata.architecture)
-        self._check_method(info)
+        self._check_use(info, state)
         m.limits.check(state)
         return state
 
-    def _check_method(self, info: dict) -> None:
-        """StateError unless the state was written by this method (its ``info``; a state with
-        no method named, from a version before it was written, is taken): a NoAdapt server
-        never serves an adapted theta, a ZOA server never steps on from an EVA-0 state."""
+    def _check_use(self, info: dict, state: AdaptState) -> None:
+        """StateMismatch, naming both uses, unless this policy can honour the state written by
+        ``info``'s use (:meth:`_use`; a state from a version before a field was written is
+        taken on the rest): the same method (a NoAdapt server never serves an adapted theta, a
+        ZOA server never steps on from an EVA-0 state), and no adapted theta for the
+        one-forward tier (budget 1 serves theta0 with no guard: an adapted theta there would
+        be served forever, unwatched). Either mode and any other budget of the same method
+        take each other's states: theta, the shift's windows and the bank mean the same in
+        both, the budget's fill is a share of whatever bucket reads it."""
         written = info.get("method")  # decode_state hands a dict, empty when the file had none
         if written is not None and written != self.method:
-            raise StateError(f"state method {written!r} is not this server's {self.method!r}: "
-                             f"load it where --method {written} runs")
+            raise StateMismatch(f"this state was written by {_use_in_words(info)}, not this "
+                                f"server's {_use_in_words(self._use())}: load it where "
+                                f"--method {written} runs")
+        theta0 = self.metadata.theta0
+        if self.one_forward and self.spec.keeps_state and not np.array_equal(
+                state.theta, np.asarray(theta0, dtype=state.theta.dtype)):
+            raise StateMismatch(
+                f"this state holds a theta adapted by {_use_in_words(info)}; this server "
+                f"({_use_in_words(self._use())}) serves theta0 with no guard and would serve "
+                f"the adapted theta unwatched: load it where {self.method} adapts (a budget "
+                "above 1)")
 
     def install_state(self, state: AdaptState) -> None:
         """Replace the state with one from :meth:`parse_state_bytes`."""
@@ -367,7 +404,7 @@ class Policy:
         m = self._engine()
         state, info = read_state_file(path, m.fingerprint, self.state_sizes(),
                                       self.metadata.architecture)
-        self._check_method(info)
+        self._check_use(info, state)
         m.limits.check(state)
         self._install(state)
 

@@ -68,6 +68,11 @@ class StateError(ValueError):
     """A state file or dict is corrupt, or belongs to another model."""
 
 
+class StateMismatch(StateError):
+    """A sound state that this model or server cannot use as it is: another model's, another
+    method's, or an adapted theta for a server that serves theta0 (the one-forward tier)."""
+
+
 @dataclass
 class AdaptState:
     """Everything that evolves while adapting. theta, anchor, velocity: [P]; center: [K];
@@ -412,7 +417,7 @@ def decode_state(
     architecture, for the refusal's words."""
     foreign = _foreign(data, fingerprint, sizes, name)
     if foreign is not None:
-        raise StateError(foreign)
+        raise StateMismatch(foreign)
     if sizes is not None:
         check_member_sizes(data, sizes)
     try:
@@ -432,7 +437,7 @@ def decode_state(
     if _digest(arrays) != meta.get("sha256"):
         raise StateError("state checksum mismatch: the file is corrupt or was modified")
     if fingerprint is not None and meta.get("fingerprint") != fingerprint:
-        raise StateError("this state is for another model (its fingerprint differs)")
+        raise StateMismatch("this state is for another model (its fingerprint differs)")
     scalars = meta.get("scalars")
     if not isinstance(scalars, dict):
         raise StateError("state metadata has no scalars")
@@ -458,4 +463,4 @@ def read_state_file(
     try:
         return decode_state(path.read_bytes(), fingerprint, sizes, name)
     except StateError as err:
-        raise StateError(f"{path}: {err}") from err
+        raise type(err)(f"{path}: {err}") from err

@@ -60,8 +60,9 @@ __all__ = ["create_app"]
 def create_app(
     model: Policy, options: ServeOptions, extension: ServerExtension | None = None
 ) -> FastAPI:
-    """The application around ``model``; the worker starts and stops with the app's lifespan
-    (restoring the newest good snapshot from ``options.state_dir`` first), ``extension`` (see
+    """The application around ``model``, restored from the newest good snapshot in
+    ``options.state_dir`` (StateMismatch when the directory holds a history this server cannot
+    use); the worker starts and stops with the app's lifespan, ``extension`` (see
     :mod:`.extension`) right after and before it. FOA's search state is not persisted: with
     FOA, ``state_dir`` is refused (ValueError)."""
     if options.state_dir and not model.spec.keeps_state:
@@ -85,15 +86,15 @@ def create_app(
         model, options.max_batch, options.max_delay_ms / 1000.0, snapshots,
         options.snapshot_every, on_step, options.adaptive_delay, options.asynchronous,
     )
+    if snapshots is not None and model.spec.keeps_state:
+        restored = snapshots.restore_latest(model)
+        if restored:
+            log.info("resumed from %s at step %d", restored, model.health().step)
     ctx = ServerContext(model, options, worker, metrics, snapshots, asyncio.Event(), extension,
                         series=series)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if snapshots is not None and model.spec.keeps_state:
-            restored = snapshots.restore_latest(model)
-            if restored:
-                log.info("resumed from %s at step %d", restored, model.health().step)
         series.begin(reading(model, model.stats()))  # before the worker owns the model
         worker.start()
         if extension is not None:

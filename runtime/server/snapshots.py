@@ -2,8 +2,11 @@
 
 Files are ``snapshot-<seq>.npz`` (the state format of :mod:`..state`: npz + SHA-256 + model
 fingerprint) with a sequence number that only grows, so a reset (step back to 0) never makes an
-older snapshot look newer. At start the newest snapshot that verifies is loaded; a corrupt or
-foreign one is refused with a logged reason and the next older one is tried.
+older snapshot look newer. At start the newest snapshot that verifies is loaded; a corrupt one
+is refused with a logged reason and the next older one is tried. A sound one this server cannot
+use (another model's, another method's, an adapted theta for the one-forward tier:
+:class:`~..state.StateMismatch`) stops the start instead: starting afresh would write new
+snapshots over the directory's history and prune it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from ..state import StateError, write_state_file
+from ..state import StateError, StateMismatch, write_state_file
 
 if TYPE_CHECKING:
     from ..policy import Policy
@@ -61,10 +64,17 @@ class SnapshotStore:
 
     def load_newest(self, read: Callable[[Path], T]) -> tuple[Path, T] | None:
         """``read`` the newest snapshot it accepts (StateError or OSError: refused with a logged
-        reason, the next older one is tried); (path, what ``read`` returned), or None."""
+        reason, the next older one is tried); (path, what ``read`` returned), or None.
+        StateMismatch (a sound snapshot this server cannot use) is raised, naming the
+        directory: the history is kept for the server that wrote it."""
         for _, path in reversed(self._existing()):
             try:
                 return path, read(path)
+            except StateMismatch as err:
+                raise StateMismatch(
+                    f"--state-dir {self.directory} holds another server's history ({err}); "
+                    "start this one with another --state-dir, or with the options that wrote "
+                    "it") from err
             except (StateError, OSError) as err:
                 log.warning("snapshot refused, trying an older one: %s", err)
         return None

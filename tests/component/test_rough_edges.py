@@ -4,6 +4,7 @@ words."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from eva0_edge.cli import build_parser
+from eva0_edge.runtime.state import decode_state
 from tests.fixtures import MODEL, NAME
 
 
@@ -268,10 +270,81 @@ def test_the_server_refuses_another_methods_state_naming_both():
         before = http_call(server, "GET", path)
         status, body = http_call(server, "PUT", path, data)
         assert status == 400
-        assert "'eva0'" in body.decode() and "'noadapt'" in body.decode()
+        assert "written by eva0 (synchronous, no budget), not this server's noadapt" in \
+            body.decode()
         assert http_call(server, "GET", path) == before
     finally:
         server.stop()
     eva0 = Policy.load(SHIPPED_RESNET_GN, "eva0", {"guard": False}, seed=0, provider="cpu")
     eva0.load_state_bytes(data)
     np.testing.assert_array_equal(eva0.state.theta, adapted.state.theta)
+
+
+def _adapted_state(settings: dict) -> bytes:
+    """The state of an EVA-0 policy with ``settings`` after three steps on uniform batches."""
+    from eva0_edge.runtime.policy import Policy
+    from tests.fixtures import SHIPPED_RESNET_GN, uniform_batch
+
+    adapted = Policy.load(SHIPPED_RESNET_GN, "eva0", {"guard": False, **settings}, seed=0,
+                          provider="cpu")
+    for i in range(3):
+        adapted.step(uniform_batch(8, seed=i))
+    return adapted.state_bytes()
+
+
+def test_the_one_forward_tier_refuses_an_adapted_theta_naming_both_uses():
+    """An adapted EVA-0 state PUT into `serve --budget 1` (theta0, no guard) is a 400 naming
+    both uses, and the server keeps its own state (issue 50 item 2: a state names what decides
+    how it is used, and a server refuses one it cannot honour); the tier takes back its own
+    state, and an adapting server of either mode and any budget takes the adapted one."""
+    from eva0_edge.runtime.policy import Policy
+    from eva0_edge.runtime.server import ServeOptions, create_app
+    from tests.fixtures import SHIPPED_RESNET_GN, InProcessServer, http_call
+
+    data = _adapted_state({})
+    tier = Policy.load(SHIPPED_RESNET_GN, "eva0", {"budget": 1.0}, seed=0, provider="cpu")
+    server = InProcessServer(create_app(tier, ServeOptions("m")))
+    try:
+        path = "/v2/models/m/adaptation/state"
+        before = http_call(server, "GET", path)
+        status, body = http_call(server, "PUT", path, data)
+        assert status == 400
+        assert ("theta adapted by eva0 (synchronous, no budget); this server (eva0 "
+                "(synchronous, budget 1))") in json.loads(body)["error"]
+        assert http_call(server, "GET", path) == before
+        assert http_call(server, "PUT", path, before[1])[0] == 200  # its own state, back
+    finally:
+        server.stop()
+    for settings, asynchronous in (({"budget": 1.5}, True), ({}, False)):
+        adapting = Policy.load(SHIPPED_RESNET_GN, "eva0", {"guard": False, **settings}, seed=0,
+                               provider="cpu")
+        adapting.set_asynchronous(asynchronous)
+        adapting.load_state_bytes(data)
+        np.testing.assert_array_equal(adapting.state.theta, decode_state(data)[0].theta)
+
+
+def test_a_state_dir_another_server_wrote_stops_the_start_and_keeps_its_history(tmp_path):
+    """`serve --budget 1 --state-dir D` on a directory of adapted EVA-0 snapshots ends at once
+    with a one-line error naming the directory and both uses, and every snapshot is kept
+    (issue 50 item 3: a restart never drops a history it wrote; before, every snapshot was
+    refused, the server started afresh and its own snapshots pruned the old ones)."""
+    import subprocess
+    import sys
+
+    from eva0_edge.runtime.server.snapshots import SnapshotStore
+    from tests.fixtures import SHIPPED_RESNET_GN
+
+    store = SnapshotStore(tmp_path / "state", keep=3)
+    for _ in range(3):
+        store.save_bytes(_adapted_state({}))
+    before = {p.name: p.read_bytes() for p in (tmp_path / "state").iterdir()}
+    run = subprocess.run(
+        [sys.executable, "-m", "eva0_edge.cli", "serve", "--model", str(SHIPPED_RESNET_GN),
+         "--port", "0", "--threads", "1", "--budget", "1", "--state-dir",
+         str(tmp_path / "state")], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    error = [line for line in run.stderr.splitlines() if "error:" in line]
+    assert len(error) == 1, run.stderr[-2000:]
+    assert f"--state-dir {tmp_path / 'state'} holds another server's history" in error[0]
+    assert "eva0 (synchronous, no budget)" in error[0] and "budget 1" in error[0]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "state").iterdir()} == before
