@@ -29,7 +29,19 @@ what adaptation itself could have produced on this model:
   not yet handed out (a credit of 1e300 made every row anchor-guided);
 * ``balance_in`` / ``balance_out`` at most ``theta_radius``: running means of an update's
   component along the anchor direction, which no update that keeps theta in its radius
-  exceeds.
+  exceeds;
+* the output centre ``center`` (and each bank slot's), where the head is known (the activation
+  shift is on): a windowed mean of the model's logits, so ``W h_bar + b`` for h_bar the mean
+  head input of its window, held to the head inputs' own bound: within ``||W||_2 x
+  shift_radius`` of the source's ``W m_source + b`` (the shipped models' hostile streams,
+  black, white and noise frames, reach at most 6.4% of that, the ViT's). An empty centre
+  (``stat_weight`` 0, the state's or a slot's) is not checked.
+
+``coef_scale`` (the running scale of the per-sample coefficients, :mod:`.stepcontrol`) has no
+bound: the alignment term of the objective has no upper bound, so any bound could refuse a state
+a server wrote. What a forged one can do is bounded all the same: it lifts the coefficients'
+clipping, and every step is still held to the trust radius and theta to its radius, under the
+guard's watch.
 
 Every bound is many times what the shipped models reach on the severity-5 streams
 (``tests/component/test_state_validation.py`` walks adapted states through them).
@@ -42,7 +54,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .bank import bank_sizes, check_bank
+from .bank import KEY_WIDTH, SCALARS, bank_sizes, check_bank
 from .state import AdaptState, StateError, check_state_sizes
 
 if TYPE_CHECKING:
@@ -60,7 +72,9 @@ class StateLimits:
     [D] (None: no shift); feature_energy: the bound on ``sum(second_moment)`` (None: no source
     statistics); sizes: the elements of every state array (None: not checked here);
     shift_width: the head input's width D the shift windows hold (None: no shift); bank_slots:
-    the domain bank's slots (``bank_slots``)."""
+    the domain bank's slots (``bank_slots``); center_source: the source's logits ``W m_source
+    + b`` [K] and center_radius the farthest an output centre may be from them (None and
+    inf: no head known)."""
 
     theta0: np.ndarray
     theta_radius: float
@@ -73,6 +87,8 @@ class StateLimits:
     sizes: dict[str, int] | None = None
     shift_width: int | None = None
     bank_slots: int = 0
+    center_source: np.ndarray | None = None
+    center_radius: float = np.inf
 
     def check(self, state: AdaptState) -> None:
         """StateError naming the first field of the wrong size or beyond its bound (sizes
@@ -111,6 +127,7 @@ class StateLimits:
         self._check_shift(state)
         check_bank(state, self.bank_slots, self.theta0, self.theta_radius, self.shift_width or 0,
                    state.center.size, self.shift_source, self.shift_radius)
+        self._check_centers(state)
         if state.anchor_credit >= 1.0 + 1e-6:
             raise StateError(f"state anchor_credit = {state.anchor_credit:.4g} is not below 1 "
                              "(the part of an anchor-guided row not yet handed out)")
@@ -133,6 +150,28 @@ class StateLimits:
                     f"state second_moment sums to {energy:.4g}, over {self.feature_energy:.4g} "
                     "(100x the source features' energy)"
                 )
+
+    def _check_centers(self, state: AdaptState) -> None:
+        """StateError when the output centre, or a bank slot's, is farther than
+        ``center_radius`` from the source's logits (an empty centre is not checked)."""
+        if self.center_source is None:
+            return
+        classes = self.center_source.size
+        centers = {"center": state.center.astype(np.float64)} if state.stat_weight > 0 else {}
+        count = state.bank_keys.size // KEY_WIDTH
+        if count:
+            rows = state.bank_moments.reshape(count, -1)[:, :classes].astype(np.float64)
+            weights = state.bank_scalars.reshape(count, len(SCALARS))[:, SCALARS.index(
+                "stat_weight")]
+            centers.update({f"bank_moments (slot {i}'s center)": row
+                            for i, row in enumerate(rows) if weights[i] > 0})
+        for name, center in centers.items():
+            distance = float(np.linalg.norm(center - self.center_source))
+            if distance > self.center_radius:
+                raise StateError(
+                    f"state {name} is {distance:.4g} from the source's logits; this model's "
+                    f"head reaches at most {self.center_radius:.4g} (||W||_2 x the head "
+                    "inputs' bound)")
 
     def _check_shift(self, state: AdaptState) -> None:
         windows = (("shift_mean", "shift_sq"), ("shift_recent", "shift_recent_sq"))
@@ -181,8 +220,11 @@ def state_limits(
     if shift is not None:
         source = shift.source_mean
         scale = SCALE_MARGIN * max(float(np.linalg.norm(source)), float(np.sqrt(source.size)))
+        weight = shift.head.weight.astype(np.float64)
         limits = replace(limits, shift_source=source, shift_square_max=scale**2,
-                         shift_radius=scale)
+                         shift_radius=scale,
+                         center_source=weight @ source + shift.head.bias.astype(np.float64),
+                         center_radius=float(np.linalg.norm(weight, 2)) * scale)
     return limits
 
 

@@ -59,6 +59,8 @@ def _far(model: Policy, name: str, scale: float, dtype=np.float32) -> np.ndarray
         (lambda m: {"anchor_credit": 1e300}, "anchor_credit = 1e\\+300 is not below 1"),
         (lambda m: {"balance_in": 1e30}, "balance_in = 1e\\+30 is over"),
         (lambda m: {"balance_out": 1e30}, "balance_out = 1e\\+30 is over"),
+        (lambda m: {"center": _far(m, "center", 1e4, np.float64)},
+         "state center is .* from the source's logits"),
         (lambda m: {"mean": np.sqrt(m.state.second_moment) + 1.0},
          r"second_moment\[\d+\] = .* is below mean\[\d+\]\^2"),
     ],
@@ -97,8 +99,10 @@ def _limits_and_state():
 
     limits = StateLimits(theta0=np.zeros(4, dtype=np.float32), theta_radius=5.0, eta=0.5,
                          max_pause=100, shift_source=np.array([10.0, 0.0]), shift_radius=5.0,
-                         shift_square_max=400.0, feature_energy=8.0)
+                         shift_square_max=400.0, feature_energy=8.0,
+                         center_source=np.array([1.0, 0.0, 0.0]), center_radius=5.0)
     state = AdaptState.initial(np.zeros(4), 3, 2, seed=0)
+    state.stat_weight = 0.5
     state.shift_mean, state.shift_sq = np.array([10.0, 0.0]), 100.0
     state.shift_recent, state.shift_recent_sq = np.array([10.0, 0.0]), 100.0
     return limits, state
@@ -115,6 +119,7 @@ def _limits_and_state():
     ("shift_sq", "scalar", 400.0, 400.1),
     ("shift_recent", "vector", [7.0, -4.0], [7.0, -4.001]),
     ("shift_recent_sq", "scalar", 400.0, 400.1),
+    ("center", "vector", [4.0, 0.0, 4.0], [4.0, 0.0, 4.001]),  # 5 from [1, 0, 0]
 ])
 def test_every_limit_holds_its_bound_itself_and_refuses_past_it(field, value, ok, bad):
     """A state exactly on a bound loads; a hair past it is refused, naming the field."""
