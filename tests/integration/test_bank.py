@@ -1,6 +1,7 @@
 """The domain bank: a returning segment's state is restored exactly and at no forward, a segment
-never seen is never restored, the memory is bounded, the budget holds with it, it survives a
-state file and a forged one is refused (over HTTP too, naming the field), reset empties it."""
+never seen is never restored, the memory is bounded, the budget holds with it, a wrong restore
+is caught by the guard, it survives a state file and a forged one is refused (over HTTP too,
+naming the field), reset empties it."""
 
 from __future__ import annotations
 
@@ -92,6 +93,35 @@ def test_the_budget_holds_with_the_bank_on(segments):
             n += SEGMENT
     assert policy.bank.hits >= 3
     assert policy.forwards_per_sample <= forwards_bound(1.25, policy.config.budget_burst, n, 16)
+
+
+def test_a_wrong_restore_is_caught_by_the_guard(segments):
+    """A bank slot whose theta is bad for its segment (re-signed: theta0 plus noise of RMS 0.9
+    per parameter, inside the state's limits) is recalled when the segment comes back, and the
+    guard treats it as any bad theta: within its audit's warm-up theta0 serves again, and the
+    rest of the segment is served much as NoAdapt serves it (over 90% the same predictions)."""
+    policy = banked()
+    stream(policy, segments["clean"][:SEGMENT])
+    stream(policy, segments["noise"][:SEGMENT])  # stores the clean segment
+    policy._sync_state()
+    forged = policy.state.copy()
+    theta0 = read_metadata(RESNET).theta0.astype(np.float64)
+    bad = (theta0 + 0.9 * np.random.default_rng(0).normal(size=theta0.size)).astype(np.float32)
+    forged.bank_theta = bad
+    policy.load_state_bytes(encode_state(forged, policy.fingerprint, {}))
+    reference = Policy.load(RESNET, "noadapt", threads=1)
+    back = segments["clean"][SEGMENT:]
+    stream(policy, back[:16])
+    drift_at_recall = []
+    for i in range(16, 128, 16):  # the change, its recall, the guard's answer
+        policy.step(back[i:i + 16])
+        drift_at_recall.append(policy.stats()["drift"])
+    assert policy.bank.hits == 1
+    assert max(drift_at_recall) > 0.8 * np.linalg.norm(bad - theta0)  # the bad theta came in
+    assert policy.stats()["drift"] < 0.1 * np.linalg.norm(bad - theta0)  # and went out
+    agree = [np.mean(policy.step(x).argmax(1) == reference.predict(x).argmax(1))
+             for x in np.split(back[128:SEGMENT], 8)]
+    assert np.mean(agree) > 0.9, agree
 
 
 def test_the_bank_survives_a_state_file_and_a_forged_one_is_refused(segments, tmp_path):
