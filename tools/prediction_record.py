@@ -14,6 +14,12 @@ request in order, and keeps the sha256 of the answered logits.
 
     python tools/prediction_record.py record tools/predictions.json   # before the change
     python tools/prediction_record.py check tools/predictions.json    # after: exit 1 on a diff
+
+NumPy's OpenBLAS picks its kernels by the CPU and by ``OPENBLAS_CORETYPE``, and their float
+sums differ in the last bits (the gradient's, so the logits of every adapting run): every run
+here pins ``OPENBLAS_CORETYPE=Haswell`` and ``OPENBLAS_L2_SIZE=512``, what this project's
+machines set, so any x86-64 host with AVX2 reproduces the record. (It was recorded without them
+before; on a host that set them, every EVA-0 run's logits differed, their labels did not.)
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ METHODS: tuple[tuple[str, tuple[str, ...]], ...] = (
 BATCHES = (1, 16)
 SERVED_IMAGES = 96
 SERVED_BATCH = 8
+# NumPy's OpenBLAS kernels, pinned (see the module's docstring)
+OPENBLAS = {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "512"}
 
 
 def fixed_stream() -> tuple[np.ndarray, np.ndarray]:
@@ -181,6 +189,7 @@ def main() -> None:
     parser.add_argument("mode", choices=["record", "check"])
     parser.add_argument("path", type=Path, help="the recording (JSON)")
     args = parser.parse_args()
+    os.environ.update(OPENBLAS)  # every run below is a subprocess: adapt, serve
     runs = record()
     if args.mode == "record":
         args.path.write_text(json.dumps(runs, indent=1, sort_keys=True) + "\n")
