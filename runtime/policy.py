@@ -88,11 +88,17 @@ def _use_in_words(info: dict) -> str:
         details.append("asynchronous" if info["asynchronous"] else "synchronous")
     if "budget" in info:
         budget = info["budget"]
-        details.append("no budget" if budget is None else f"budget {budget:g}"
-                       if isinstance(budget, (int, float)) else f"budget {budget!r:.20}")
+        if budget is None:
+            details.append("no budget")
+        elif isinstance(budget, (int, float)):
+            details.append(f"budget {budget:g}")
+        else:
+            details.append(f"budget {budget!r:.20}")
     method = info.get("method")
-    name = method if isinstance(method, str) else "a method it does not name" \
-        if method is None else f"{method!r:.40}"
+    if method is None:
+        name = "a method it does not name"
+    else:
+        name = method if isinstance(method, str) else f"{method!r:.40}"
     return name + (f" ({', '.join(details)})" if details else "")
 
 

@@ -21,11 +21,13 @@ rows join the recent inputs (the last ``max_batch`` rows; older ones are
 dropped from adaptation). Once ``max_batch`` rows are waiting, the queue is empty and no pass
 is running, the worker begins a pass on them (:meth:`~..policy.Policy.begin_pass`,
 within the compute budget: the perturbed rows). Its ORT call (the 2 x #rows forwards; the GIL
-released) and the estimate from it (the losses and the gradient) run on a second thread at
-the lowest priority of Linux's normal class (nice 19: about 1.5% of a core another thread
-wants), the call on a single-threaded session so that none of it runs on the serving session's
-intra-op threads (:meth:`~..session.AdaptableSession.single_threaded`), while the worker goes
-on serving; the worker applies the update when they are done
+released) and the estimate from it (the losses and the gradient) run on a second thread that
+Linux schedules only on CPU nothing else wants (SCHED_IDLE; nice 19 where that is refused;
+a stop that abandons a pass gives the thread the normal policy back, where the OS permits, so
+that the process can end), the call on a single-threaded session so that none of it runs on
+the serving session's intra-op threads
+(:meth:`~..session.AdaptableSession.single_threaded`), while the worker goes on serving; the
+worker applies the update when they are done
 (:meth:`~..policy.AdaptationPass.finish`, dropped if a roll-back, reset or installed
 state came in between). So serving never waits for a pass, and a busy CPU starves passes, not
 answers. (On a session whose ORT calls share one IOBinding, the CUDA default, the call runs on
@@ -74,22 +76,42 @@ _STOP = object()
 _WAKE = object()  # an announced request was withdrawn: look again whether to wait
 _PASS_DONE = object()  # the running pass's ORT call and estimate are done (or failed)
 
-# The pass thread's nice value: the lowest priority of the normal scheduling class.
+# Where SCHED_IDLE is missing or refused: the pass thread's nice value, the lowest priority.
 PASS_NICE = 19
 
 
-def _lower_priority() -> None:
-    """Give the calling thread (the pass's) the lowest priority of the normal class, nice 19:
-    it gets about 1.5% of a core another thread wants. Not SCHED_IDLE: a process exits only
-    once each of its threads has run again, and a SCHED_IDLE thread holding the GIL or in an
-    ORT call on a busy host may not run for seconds (two CPU-bound processes beside the server:
-    a median 5.7-5.9 s from SIGTERM to exit, at most 7.0, against 1.2-1.4 s, at most 1.9, at
-    nice 19; ``results/serve-shutdown/``). Where that is refused the thread keeps its
+def _lower_priority(thread_ids: list[int]) -> None:
+    """Let the calling thread (the pass's) run only on CPU nothing else wants: Linux's
+    SCHED_IDLE policy (any other runnable thread preempts it at once), else nice 19; set per
+    thread, its id appended to ``thread_ids``. Where neither is allowed the thread keeps its
     priority."""
+    thread = threading.get_native_id()
+    thread_ids.append(thread)
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PASS_NICE)
+        os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError) as err:
+        log.debug("adaptation pass thread: no SCHED_IDLE (%s), nice %d", err, PASS_NICE)
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, PASS_NICE)
     except (AttributeError, OSError) as err:
         log.debug("adaptation pass thread keeps its priority: %s", err)
+
+
+def _lift_priority(thread: int) -> bool:
+    """Give the pass thread ``thread`` (a native id) the normal policy again, at the stop: a
+    process exits only once each of its threads has run again, and a SCHED_IDLE thread on a
+    busy host may not run for seconds (two CPU-bound processes beside the server: 4.9-7.3 s
+    from SIGTERM to exit, four: 8.5-12.8 s; lifted: 0.2-0.3 s, ``results/serve-shutdown/``). Needs
+    CAP_SYS_NICE (root keeps it, a container may drop it): False where it is refused, and the
+    exit then waits as long as the host starves the thread."""
+    try:
+        os.sched_setscheduler(thread, os.SCHED_OTHER, os.sched_param(0))
+    except (AttributeError, OSError) as err:
+        log.info("stop: the adaptation pass thread keeps its low priority (%s); the exit waits "
+                 "for it to run", err)
+        return False
+    return True
 
 
 @dataclass
@@ -131,7 +153,9 @@ class AdaptationWorker:
         if asynchronous:
             model.set_asynchronous()
             self._adaptive = model
-        self._runs = ThreadPoolExecutor(1, "eva0-pass", initializer=_lower_priority) \
+        self._pass_threads: list[int] = []  # the pass thread's native id, once it runs
+        self._runs = ThreadPoolExecutor(1, "eva0-pass", initializer=_lower_priority,
+                                        initargs=(self._pass_threads,)) \
             if self._adaptive is not None and model.session.concurrent_calls else None
         self._pass: _Pass | None = None
         self._recent: list[np.ndarray] = []
@@ -254,11 +278,13 @@ class AdaptationWorker:
         self._learn_waiting()
         if self._pass is not None and self._pass.estimate.done():  # its update is kept
             self._finish_pass()
-        elif self._pass is not None:  # not done (it runs at the lowest priority): abandoned
+        elif self._pass is not None:  # starved (its thread runs on idle CPU only): abandoned
             rows, self._pass = self._pass.adaptation.rows, None
             self._counts["dropped_samples"] += rows
             self.abandoned_pass = True
             log.info("stop: the running adaptation pass (%d samples) is abandoned", rows)
+            for thread in self._pass_threads:
+                _lift_priority(thread)
         if self._runs is not None:
             self._runs.shutdown(wait=False, cancel_futures=True)
         self.snapshot_now()  # the state of the last applied step
