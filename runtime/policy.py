@@ -119,12 +119,21 @@ class AdaptationPass:
         return int(self.served.x.shape[0])
 
     def run(self) -> GradientEstimate:
-        """The pass's ORT call over its #FP x B perturbed rows (:meth:`Engine.run_served`) and
-        the estimate from it (:meth:`Engine.estimate_served`). It writes no Python state but
-        the forward counter (locked), so it may run on another thread while that one serves (when
-        ``session.concurrent_calls``): the serving thread then waits neither for the call nor
-        for the losses and the gradient, only for :meth:`finish`."""
-        outputs = self._model.run_served(self.served)
+        """The pass's ORT call (:meth:`call`) and the estimate from it (:meth:`estimate`), on
+        the calling thread."""
+        return self.estimate(self.call())
+
+    def call(self) -> tuple[np.ndarray, np.ndarray]:
+        """The pass's ORT call over its #FP x B perturbed rows (:meth:`Engine.run_served`): the
+        logits and features. It writes no Python state but the forward counter (locked), so it
+        may run on another thread while that one serves (when ``session.concurrent_calls``),
+        and it holds the GIL only to enter and leave ORT."""
+        return self._model.run_served(self.served)
+
+    def estimate(self, outputs: tuple[np.ndarray, np.ndarray]) -> GradientEstimate:
+        """The losses and the gradient from :meth:`call`'s ``outputs``
+        (:meth:`Engine.estimate_served`): NumPy that reads only what a step writes, so it too
+        may run on another thread; the serving thread then waits only for :meth:`finish`."""
         return self._model.estimate_served(self.served, outputs)
 
     def finish(self, est: GradientEstimate) -> bool:

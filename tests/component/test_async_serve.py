@@ -156,17 +156,17 @@ def test_what_reads_the_state_sees_the_served_samples_learnt_from(started):
 
 
 def held_passes(monkeypatch) -> tuple[threading.Event, list[tuple[int, int]]]:
-    """Make every pass's ORT call (``AdaptationPass.run``) wait for the returned event; the
+    """Make every pass's ORT call (``AdaptationPass.call``) wait for the returned event; the
     list collects each call's thread id and that thread's scheduling policy."""
     release, seen = threading.Event(), []
-    run = AdaptationPass.run
+    call = AdaptationPass.call
 
     def held(adaptation):
         seen.append((threading.get_ident(), os.sched_getscheduler(threading.get_native_id())))
         assert release.wait(30)
-        return run(adaptation)
+        return call(adaptation)
 
-    monkeypatch.setattr(AdaptationPass, "run", held)
+    monkeypatch.setattr(AdaptationPass, "call", held)
     return release, seen
 
 
@@ -192,25 +192,34 @@ def test_serving_goes_on_while_a_pass_runs(started, monkeypatch):
     assert worker.call(lambda m: m.state.step).result(30) == 1
 
 
-def test_a_pass_estimate_is_computed_on_the_pass_thread(started, monkeypatch):
+def test_a_pass_estimate_is_computed_on_its_own_thread_at_normal_priority(started, monkeypatch):
     """The losses and the gradient from a pass's ORT call (``Engine.estimate_served``) run on
-    the pass thread too: while they are held the worker answers the next batch, and the
-    update lands once they are done."""
-    release, seen = threading.Event(), []
-    estimate = Engine.estimate_served
+    a thread of their own at the normal policy, neither the worker nor the pass thread (NumPy
+    holds the GIL between its calls, and a thread on idle CPU only that holds it makes the
+    answers wait for CPU it may not get): while they are held the worker answers the next
+    batch, and the update lands once they are done."""
+    release, seen, calls = threading.Event(), [], []
+    estimate, call = Engine.estimate_served, AdaptationPass.call
+
+    def recorded_call(adaptation):
+        calls.append(threading.get_ident())
+        return call(adaptation)
 
     def held(engine, served, outputs):
-        seen.append(threading.get_ident())
+        seen.append((threading.get_ident(), os.sched_getscheduler(threading.get_native_id())))
         assert release.wait(30)
         return estimate(engine, served, outputs)
 
+    monkeypatch.setattr(AdaptationPass, "call", recorded_call)
     monkeypatch.setattr(Engine, "estimate_served", held)
     model = Policy.load(MODEL, "eva0", NO_SHIFT, provider="cpu")
     worker = started(model, max_batch=4)
     worker.submit(images(4, 0)).result(30)
     wait_for(lambda: seen != [])
     worker.submit(images(4, 1)).result(30)
-    assert seen[0] != worker._thread.ident and worker.counts()["adapted_samples"] == 0
+    ((thread, policy),) = seen
+    assert thread not in (worker._thread.ident, calls[0]) and policy == os.SCHED_OTHER
+    assert worker.counts()["adapted_samples"] == 0
     release.set()
     wait_for(lambda: worker.counts()["adapted_samples"] >= 4)
 
