@@ -251,35 +251,6 @@ def test_quantize_fails_clearly_only_when_no_calibration_image_decodes(tmp_path,
     assert not (tmp_path / "q.onnx").exists()
 
 
-def test_the_server_refuses_another_methods_state_naming_both():
-    """An adapted EVA-0 state PUT into a NoAdapt server is a 400 naming both methods, and the
-    server keeps serving theta0 (issue 50: it answered 200 and served adapted parameters); the
-    same state loads into an EVA-0 server."""
-    from eva0_edge.runtime.policy import Policy
-    from eva0_edge.runtime.server import ServeOptions, create_app
-    from tests.fixtures import SHIPPED_RESNET_GN, InProcessServer, http_call, uniform_batch
-
-    adapted = Policy.load(SHIPPED_RESNET_GN, "eva0", {"guard": False}, seed=0, provider="cpu")
-    for i in range(3):
-        adapted.step(uniform_batch(8, seed=i))
-    data = adapted.state_bytes()
-    noadapt = Policy.load(SHIPPED_RESNET_GN, "noadapt", seed=0, provider="cpu")
-    server = InProcessServer(create_app(noadapt, ServeOptions("m")))
-    try:
-        path = "/v2/models/m/adaptation/state"
-        before = http_call(server, "GET", path)
-        status, body = http_call(server, "PUT", path, data)
-        assert status == 400
-        assert "written by eva0 (synchronous, no budget), not this server's noadapt" in \
-            body.decode()
-        assert http_call(server, "GET", path) == before
-    finally:
-        server.stop()
-    eva0 = Policy.load(SHIPPED_RESNET_GN, "eva0", {"guard": False}, seed=0, provider="cpu")
-    eva0.load_state_bytes(data)
-    np.testing.assert_array_equal(eva0.state.theta, adapted.state.theta)
-
-
 def _adapted_state(settings: dict) -> bytes:
     """The state of an EVA-0 policy with ``settings`` after three steps on uniform batches."""
     from eva0_edge.runtime.policy import Policy
@@ -292,29 +263,54 @@ def _adapted_state(settings: dict) -> bytes:
     return adapted.state_bytes()
 
 
+def _refused_put(policy, data: bytes) -> tuple[str, bytes]:
+    """PUT ``data`` as the state of an in-process server around ``policy``: a 400, the
+    server's state as it was; (the error, that state's bytes)."""
+    from eva0_edge.runtime.server import ServeOptions, create_app
+    from tests.fixtures import InProcessServer, http_call
+
+    server = InProcessServer(create_app(policy, ServeOptions("m")))
+    try:
+        path = "/v2/models/m/adaptation/state"
+        before = http_call(server, "GET", path)
+        status, body = http_call(server, "PUT", path, data)
+        assert status == 400
+        assert http_call(server, "GET", path) == before
+        return json.loads(body)["error"], before[1]
+    finally:
+        server.stop()
+
+
+def test_the_server_refuses_another_methods_state_naming_both():
+    """An adapted EVA-0 state PUT into a NoAdapt server is a 400 naming both methods, and the
+    server keeps serving theta0 (issue 50: it answered 200 and served adapted parameters); the
+    same state loads into an EVA-0 server."""
+    from eva0_edge.runtime.policy import Policy
+    from tests.fixtures import SHIPPED_RESNET_GN
+
+    data = _adapted_state({})
+    noadapt = Policy.load(SHIPPED_RESNET_GN, "noadapt", seed=0, provider="cpu")
+    error, _ = _refused_put(noadapt, data)
+    assert "written by eva0 (synchronous, no budget), not this server's noadapt" in error
+    eva0 = Policy.load(SHIPPED_RESNET_GN, "eva0", {"guard": False}, seed=0, provider="cpu")
+    eva0.load_state_bytes(data)
+    np.testing.assert_array_equal(eva0.state.theta, decode_state(data)[0].theta)
+
+
 def test_the_one_forward_tier_refuses_an_adapted_theta_naming_both_uses():
     """An adapted EVA-0 state PUT into `serve --budget 1` (theta0, no guard) is a 400 naming
     both uses, and the server keeps its own state (issue 50 item 2: a state names what decides
     how it is used, and a server refuses one it cannot honour); the tier takes back its own
     state, and an adapting server of either mode and any budget takes the adapted one."""
     from eva0_edge.runtime.policy import Policy
-    from eva0_edge.runtime.server import ServeOptions, create_app
-    from tests.fixtures import SHIPPED_RESNET_GN, InProcessServer, http_call
+    from tests.fixtures import SHIPPED_RESNET_GN
 
     data = _adapted_state({})
     tier = Policy.load(SHIPPED_RESNET_GN, "eva0", {"budget": 1.0}, seed=0, provider="cpu")
-    server = InProcessServer(create_app(tier, ServeOptions("m")))
-    try:
-        path = "/v2/models/m/adaptation/state"
-        before = http_call(server, "GET", path)
-        status, body = http_call(server, "PUT", path, data)
-        assert status == 400
-        assert ("theta adapted by eva0 (synchronous, no budget); this server (eva0 "
-                "(synchronous, budget 1))") in json.loads(body)["error"]
-        assert http_call(server, "GET", path) == before
-        assert http_call(server, "PUT", path, before[1])[0] == 200  # its own state, back
-    finally:
-        server.stop()
+    error, own = _refused_put(tier, data)
+    assert ("theta adapted by eva0 (synchronous, no budget); this server (eva0 "
+            "(synchronous, budget 1))") in error
+    tier.load_state_bytes(own)  # its own state, back
     for settings, asynchronous in (({"budget": 1.5}, True), ({}, False)):
         adapting = Policy.load(SHIPPED_RESNET_GN, "eva0", {"guard": False, **settings}, seed=0,
                                provider="cpu")
