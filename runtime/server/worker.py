@@ -101,20 +101,18 @@ def _lower_priority(thread_ids: list[int]) -> None:
         log.debug("adaptation pass thread keeps its priority: %s", err)
 
 
-def _lift_priority(thread: int) -> bool:
+def _lift_priority(thread: int) -> None:
     """Give the pass thread ``thread`` (a native id) the normal policy again, at the stop: a
     process exits only once each of its threads has run again, and a SCHED_IDLE thread on a
-    busy host may not run for seconds (two CPU-bound processes beside the server: 4.9-7.3 s
-    from SIGTERM to exit, four: 8.5-12.8 s; lifted: 0.2-0.3 s, ``results/serve-shutdown/``). Needs
-    CAP_SYS_NICE (root keeps it, a container may drop it): False where it is refused, and the
-    exit then waits as long as the host starves the thread."""
+    busy host, in a pass or waiting for one, may not run for seconds (two CPU-bound processes
+    beside the server: 4.9-7.3 s from SIGTERM to exit, four: 8.5-12.8 s; lifted: 0.2-0.3 s,
+    ``results/serve-shutdown/``). Needs CAP_SYS_NICE (root keeps it, a container may drop it);
+    where it is refused the exit waits as long as the host starves the thread."""
     try:
         os.sched_setscheduler(thread, os.SCHED_OTHER, os.sched_param(0))
     except (AttributeError, OSError) as err:
         log.info("stop: the adaptation pass thread keeps its low priority (%s); the exit waits "
                  "for it to run", err)
-        return False
-    return True
 
 
 @dataclass
@@ -289,8 +287,8 @@ class AdaptationWorker:
             self._counts["dropped_samples"] += rows
             self.abandoned_pass = True
             log.info("stop: the running adaptation pass (%d samples) is abandoned", rows)
-            for thread in self._pass_threads:
-                _lift_priority(thread)
+        for thread in self._pass_threads:
+            _lift_priority(thread)
         for executor in (self._runs, self._estimates):
             if executor is not None:
                 executor.shutdown(wait=False, cancel_futures=True)
