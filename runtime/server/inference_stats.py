@@ -42,19 +42,17 @@ class InferenceStats:
     part_ns: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PARTS, 0))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def record(self, ok: bool, seconds: float, rows: int,
-               times: RequestTimes | None = None) -> None:
-        """One answered request of ``rows`` rows that took ``seconds``; a successful one with
-        its parts' ``times``."""
+    def record(self, ok: bool, seconds: float, rows: int, times: RequestTimes) -> None:
+        """One answered request of ``rows`` rows that took ``seconds``, its parts' ``times``
+        (counted when it succeeded)."""
         with self._lock:
             if ok:
                 self.success_count += 1
                 self.success_ns += int(seconds * 1e9)
                 self.inference_count += rows
                 self.last_inference_ms = int(time.time() * 1000)
-                parts = times or RequestTimes()
                 for name in PARTS:
-                    self.part_ns[name] += int(getattr(parts, name) * 1e9)
+                    self.part_ns[name] += int(getattr(times, name) * 1e9)
             else:
                 self.fail_count += 1
                 self.fail_ns += int(seconds * 1e9)
